@@ -1,0 +1,64 @@
+"""``dualkv_attn_func``: the public DualKV attention entry point and its backend choice."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .layout import DualKVLayout
+from .ops.checks import check_attention_inputs
+from .ops.reference import dualkv_attention_reference
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def triton_available(device: torch.device) -> bool:
+    """The Triton kernels run on CUDA devices, and on CPU under ``TRITON_INTERPRET=1``."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown DualKV attention backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available(device) else "reference"
+    if backend == "triton" and not triton_available(device):
+        raise RuntimeError(
+            f"the triton backend cannot run on {device}: it needs triton installed and a CUDA device, "
+            "or TRITON_INTERPRET=1 on CPU"
+        )
+    return backend
+
+
+def dualkv_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: DualKVLayout,
+    softmax_scale: float | None = None,
+    window_size: int | None = None,
+    softcap: float | None = None,
+    deterministic: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """DualKV attention on the packed layout.
+
+    q: (T, Hq, D), k/v: (T, Hkv, D), Hq a multiple of Hkv -> out (T, Hq, D).
+    Response queries see their group's whole prompt and their own response (causal); prompt
+    queries see their prompt (causal). ``window_size`` is a left window in logical positions,
+    ``softcap`` caps scores with ``softcap * tanh(s / softcap)``. ``deterministic`` makes the
+    kernels' gradients bitwise reproducible. ``backend``: "auto" (Triton on GPU, reference
+    otherwise), "triton" or "reference".
+    """
+    check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
+    layout = layout.to(q.device)
+    if resolve_backend(backend, q.device) == "reference":
+        return dualkv_attention_reference(q, k, v, layout, softmax_scale, window_size, softcap)
+    from .ops.dualkv_attn import dualkv_attn_triton
+
+    return dualkv_attn_triton(q, k, v, layout, softmax_scale, window_size, softcap, deterministic)

@@ -1,0 +1,42 @@
+"""Input checks shared by every DualKV attention backend: bad input fails here, with a message
+that names the problem, never deep inside a kernel."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..layout import DualKVLayout
+
+
+def check_attention_inputs(q, k, v, layout, softmax_scale=None, window_size=None, softcap=None) -> float:
+    """Validate q (T, Hq, D), k/v (T, Hkv, D) against ``layout``; return the softmax scale to use."""
+    if not isinstance(layout, DualKVLayout):
+        raise TypeError(f"layout must be a DualKVLayout, got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a (tokens, heads, head_dim) tensor, got shape {getattr(t, 'shape', None)}")
+    if q.shape[0] != layout.total_tokens or k.shape[0] != layout.total_tokens or v.shape[0] != layout.total_tokens:
+        raise ValueError(
+            f"token counts q={q.shape[0]}, k={k.shape[0]}, v={v.shape[0]} do not match the layout's "
+            f"{layout.total_tokens} packed tokens"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if window_size is not None and (not isinstance(window_size, int) or window_size < 1):
+        raise ValueError(f"window_size must be a positive int or None, got {window_size!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(q.shape[2])
+    if not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale!r}")
+    return float(softmax_scale)

@@ -1,0 +1,40 @@
+"""Dense-mask DualKV attention: the oracle every kernel is tested against.
+
+O(T^2) memory; differentiable; any device and dtype (it computes in the inputs' dtype, so a
+float64 input gives a float64 oracle and a bf16 input gives the same-precision baseline that
+low-precision kernels are measured against).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import DualKVLayout
+from .checks import check_attention_inputs
+
+
+def dualkv_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: DualKVLayout,
+    softmax_scale: float | None = None,
+    window_size: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention under the DualKV rule (see ``megatron_dualkv.layout``).
+
+    q: (T, Hq, D), k/v: (T, Hkv, D) with Hq a multiple of Hkv (GQA) -> (T, Hq, D).
+    ``window_size``: a key at logical position p_k is visible from p_q only if p_q - p_k < window_size.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)``.
+    """
+    scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = layout.to(q.device).dense_mask(window_size)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)

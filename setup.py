@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dualkv",
+    version="0.1.0",
+    description="Shared-prompt (DualKV) packing, attention kernels and Megatron-Core models for GRPO/DAPO post-training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dualkv", "megatron_dualkv.*"]),
+    # torch is left unpinned so GPU clusters keep their own build; on a CPU machine install the CPU
+    # wheel first (README), or pip would pull a multi-GB CUDA build.
+    install_requires=["torch>=2.4", "triton>=3.0", "megatron-core>=0.16", "numpy", "packaging"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece"],
+        "bench": ["matplotlib"],
+        # transformer-engine and apex are optional accelerators, used when present: install them the
+        # way your cluster's CUDA stack requires (they do not build on CPU-only machines).
+    },
+)

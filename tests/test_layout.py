@@ -1,0 +1,75 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_dualkv import DualKVLayout
+from strategies import layout_lengths
+
+
+@st.composite
+def layouts(draw):
+    prompts, responses = layout_lengths(draw)
+    return DualKVLayout(prompts, responses, draw(st.integers(0, 5)))
+
+
+@given(layouts())
+@settings(max_examples=60, deadline=None)
+def test_layout_invariants(layout):
+    T = layout.total_tokens
+    cu = layout.cu_seqlens
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == T
+    assert torch.all(torch.diff(cu) > 0)
+    assert torch.diff(cu).tolist() == list(layout.segment_lens)
+    assert layout.group_start[-1] == T
+    assert layout.position_ids.shape == (T,)
+    assert layout.max_seqlen == max(layout.segment_lens)
+    assert layout.max_prompt_len == max(layout.prompt_lens)
+    assert layout.max_response_len == max(r for rs in layout.response_lens for r in rs)
+    # every segment's prefix is its own group's prompt; responses see it, prompts see nothing extra
+    for s, (start, length, prefix_start, prefix_len) in enumerate(layout.segments):
+        g = int(layout.segment_group[s])
+        assert start == int(cu[s]) and length == int(cu[s + 1] - cu[s])
+        assert prefix_start == int(layout.group_start[g])
+        assert bool(layout.segment_is_prompt[s]) == (prefix_len == 0)
+        if prefix_len:
+            assert prefix_len == layout.prompt_lens[g]
+            assert layout.position_ids[start].item() == prefix_len
+
+
+@given(layouts(), st.one_of(st.none(), st.integers(1, 6)))
+@settings(max_examples=60, deadline=None)
+def test_dense_mask_rule(layout, window):
+    """The mask against a token-by-token reading of the rule, written independently."""
+    mask = layout.dense_mask(window)
+    owner = []  # (group, segment, is_prompt, position) per token
+    for g, (p, rs) in enumerate(layout._groups_with_padding()):
+        owner += [(g, (g, -1), True, i) for i in range(p)]
+        for j, r in enumerate(rs):
+            owner += [(g, (g, j), False, p + i) for i in range(r)]
+    for qi, (gq, sq, _, pq) in enumerate(owner):
+        for ki, (gk, sk, k_prompt, pk) in enumerate(owner):
+            allowed = gq == gk and (k_prompt or sq == sk) and pk <= pq and (window is None or pq - pk < window)
+            assert bool(mask[qi, ki]) == allowed, (qi, ki)
+
+
+def test_to_device_is_cached_and_keeps_metadata():
+    layout = DualKVLayout((3,), ((2, 1),), 2)
+    meta = layout.to("meta")
+    assert meta.device.type == "meta" and meta.prompt_lens == (3,) and meta.cu_seqlens.device.type == "meta"
+    assert layout.to("meta") is meta and layout.to("cpu") is layout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (((0,), ((1,),)), "empty prompt"),
+        (((2,), ((1, 0),)), "empty response"),
+        (((2, 3), ((1,),)), "2 prompt lengths but 1"),
+        (((2,), ((1,),), -1), "pad_len"),
+        (((2**31,), ((1,),)), "overflow int32"),
+    ],
+)
+def test_bad_lengths(args, message):
+    with pytest.raises(ValueError, match=message):
+        DualKVLayout(*args)
