@@ -65,7 +65,7 @@ class DualKVLayout:
             seg_group.append(len(self.prompt_lens))
             seg_prompt.append(True)
         positions = []
-        for p, rs in self._groups_with_padding():
+        for p, rs in self.groups_with_padding():
             positions.append(torch.arange(p))
             positions += [torch.arange(p, p + r) for r in rs]
         kw = dict(dtype=torch.int32, device=self.device)
@@ -73,19 +73,19 @@ class DualKVLayout:
             cu_seqlens=torch.tensor([0, *accumulate(seg_lens)], **kw),
             segment_group=torch.tensor(seg_group, **kw),
             segment_is_prompt=torch.tensor(seg_prompt, dtype=torch.bool, device=self.device),
-            group_start=torch.tensor([0, *accumulate(p + sum(rs) for p, rs in self._groups_with_padding())], **kw),
+            group_start=torch.tensor([0, *accumulate(p + sum(rs) for p, rs in self.groups_with_padding())], **kw),
             position_ids=torch.cat(positions).to(self.device),
         )
         for name, value in tensors.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_device_cache", {})
+        object.__setattr__(self, "_derived", {})
 
     # ------------------------------------------------------------------ python-side metadata
-    def _groups_with_padding(self):
-        groups = list(zip(self.prompt_lens, self.response_lens))
-        if self.pad_len:
-            groups.append((self.pad_len, ()))
-        return groups
+    def groups_with_padding(self) -> Tuple[Tuple[int, Tuple[int, ...]], ...]:
+        """Per group ``(prompt_len, response_lens)``; padding last, as a group without responses."""
+        groups = tuple(zip(self.prompt_lens, self.response_lens))
+        return groups + ((self.pad_len, ()),) if self.pad_len else groups
 
     @property
     def num_groups(self) -> int:
@@ -98,7 +98,7 @@ class DualKVLayout:
 
     @cached_property
     def segment_lens(self) -> Tuple[int, ...]:
-        lens = [n for p, rs in self._groups_with_padding() for n in (p, *rs)]
+        lens = [n for p, rs in self.groups_with_padding() for n in (p, *rs)]
         return tuple(lens)
 
     @cached_property
@@ -130,7 +130,7 @@ class DualKVLayout:
         for a response, nothing for a prompt or padding.
         """
         out, start = [], 0
-        for p, rs in self._groups_with_padding():
+        for p, rs in self.groups_with_padding():
             prompt_start = start
             out.append((start, p, start, 0))
             start += p
@@ -147,6 +147,13 @@ class DualKVLayout:
             if prefix_len:
                 mask[start : start + length] = True
         return mask.to(self.device)
+
+    def derived(self, key, build):
+        """``build()`` once per ``key`` and layout: host-side tables (kernel tiles, indices) that
+        callers derive from the lengths and reuse for every layer of a micro-batch."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     # ------------------------------------------------------------------ device handling
     def to(self, device) -> "DualKVLayout":

@@ -43,7 +43,7 @@ def test_dense_mask_rule(layout, window):
     """The mask against a token-by-token reading of the rule, written independently."""
     mask = layout.dense_mask(window)
     owner = []  # (group, segment, is_prompt, position) per token
-    for g, (p, rs) in enumerate(layout._groups_with_padding()):
+    for g, (p, rs) in enumerate(layout.groups_with_padding()):
         owner += [(g, (g, -1), True, i) for i in range(p)]
         for j, r in enumerate(rs):
             owner += [(g, (g, j), False, p + i) for i in range(r)]

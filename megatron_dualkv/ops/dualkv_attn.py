@@ -1,0 +1,677 @@
+"""Fused DualKV attention: Triton forward and backward over the shared prompt and each response.
+
+One launch per micro-batch covers every group. Work is described by host-built tables
+(``DualKVLayout.derived`` caches them per layout), so kernels never search segment boundaries:
+
+* forward / dQ: one program per (query tile, query head). A tile lies inside one segment and
+  sees two key ranges:
+      A, the *prefix*: its group's whole prompt (responses only), visible up to the window;
+      B, *itself*: its segment from the start up to the tile, causal.
+* dK/dV: one program per (key tile, key/value head, query chunk). The queries that see a key tile
+  form ONE contiguous range: ``[k_start, end of group)`` for a prompt tile (the prompt's own later
+  queries, then every response of the group, since responses follow their prompt) and
+  ``[k_start, end of segment)`` for a response tile. Prompt tiles therefore receive work from
+  P + sum(R_i) queries and response tiles from R_i: long ranges are split into chunks, each
+  writing an fp32 partial, reduced afterwards in a fixed order, so gradients are bitwise
+  reproducible and the grid stays full. GQA is reduced inside the program (loop over the query
+  heads of the key/value head): no expanded K/V, no expanded dK/dV.
+
+Math (per query row i, key j, log2 domain; c = softcap, s = softmax scale):
+    x_ij  = s * q_i . k_j
+    z_ij  = c * tanh(x_ij / c)            (z = x without softcap)
+    lse_i = log2 sum_j 2^(z_ij log2 e)    stored in log2 units, one per (head, row)
+    p_ij  = 2^(z_ij log2 e - lse_i),   o_i = sum_j p_ij v_j
+    dv_j  = sum_i p_ij do_i
+    dp_ij = do_i . v_j,   delta_i = do_i . o_i
+    dz_ij = p_ij (dp_ij - delta_i),    dx_ij = dz_ij (1 - tanh^2(x_ij / c))   (dx = dz without softcap)
+    dq_i  = s sum_j dx_ij k_j,   dk_j = s sum_i dx_ij q_i
+
+Masks use logical positions: a key is visible iff pos_k <= pos_q and pos_q - pos_k < window.
+Key ranges are cut into a masked lower edge (window), an unmasked middle and a masked upper edge
+(causal diagonal, range end), so most blocks run without any mask arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import DualKVLayout
+from .checks import check_attention_inputs
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 2**30  # larger than any position: "window" that never masks
+
+
+# ==================================================================================== kernels
+@triton.jit
+def _tanh(x):
+    # tanh through the sigmoid: portable across Triton versions and the interpreter
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, d_mask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, masking rows only where asked and columns only past HEAD_DIM."""
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _split_range(lo, hi, vis_lo, vis_hi, BLOCK: tl.constexpr):
+    """Cut [lo, hi) into [lo, m1) masked, [m1, m2) unmasked, [m2, hi) masked.
+
+    [vis_lo, vis_hi) are the indices visible from every row of the tile; m1 is the first block
+    boundary (counted from lo) at or after vis_lo, m2 the last one at or before vis_hi.
+    """
+    m1 = lo + tl.cdiv(tl.maximum(vis_lo - lo, 0), BLOCK) * BLOCK
+    m1 = tl.minimum(m1, hi)
+    m2 = m1 + (tl.maximum(tl.minimum(vis_hi, hi) - m1, 0) // BLOCK) * BLOCK
+    return m1, m2
+
+
+@triton.jit
+def _scores(q, k, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Scores in log2 units from q (M, D), k (N, D): (M, N), and tanh(x / c) for the backward."""
+    x = tl.dot(q, tl.trans(k))
+    if HAS_SOFTCAP:
+        t = _tanh(x * (qk_scale / softcap))  # qk_scale = s * log2 e, softcap pre-scaled by log2 e
+        return softcap * t, t
+    return x * qk_scale, x
+
+
+@triton.jit
+def _visible(qc, j, hi, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(M, N) mask: key j < hi, causal (j <= qc) where asked, and inside the window (qc - j < window).
+
+    qc is the query's coordinate in the key range's own index space (its logical position for the
+    prompt prefix, its index in the segment for the segment itself).
+    """
+    mask = j[None, :] < hi
+    if CAUSAL:
+        mask = mask & (j[None, :] <= qc[:, None])
+    if HAS_WINDOW:
+        mask = mask & (qc[:, None] - j[None, :] < window)
+    return mask
+
+
+@triton.jit
+def _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, qc, window, qk_scale, softcap,
+               offs_n, offs_d, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr):
+    """Online-softmax accumulation over keys [lo, hi) of one key range (flash-attention 2)."""
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        rows = j.to(tl.int64)
+        k = _load_tile(k_base + rows[:, None] * stride_kt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
+        v = _load_tile(v_base + rows[:, None] * stride_vt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
+        z, _ = _scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
+        if MASKED:
+            z = tl.where(_visible(qc, j, hi, window, CAUSAL, HAS_WINDOW), z, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        # a row that has seen no visible key yet keeps m = -inf: subtract 0 so p = 0, not NaN
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(z - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_ot, stride_oh, T, qk_scale, softcap, window, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % NUM_HEADS  # heads vary fastest: the heaviest tiles of every head start first
+    tile = pid // NUM_HEADS
+    q_start = tl.load(TILES + tile * 5 + 0)
+    q_end = tl.load(TILES + tile * 5 + 1)
+    seg_start = tl.load(TILES + tile * 5 + 2)
+    prefix_start = tl.load(TILES + tile * 5 + 3)
+    prefix_len = tl.load(TILES + tile * 5 + 4)
+    hk = h // GROUP
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    row_mask = q_start + offs_m < q_end
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    i0 = q_start - seg_start  # first row's index inside its segment
+    i1 = q_end - 1 - seg_start  # last row's
+    # A: the group's prompt, keys at logical positions 0..prefix_len-1, no causal mask needed
+    if prefix_len > 0:
+        lo = tl.maximum(prefix_len + i0 - window + 1, 0)
+        m1, m2 = _split_range(lo, prefix_len, prefix_len + i1 - window + 1, prefix_len, BLOCK_N)
+        k_base = K + prefix_start.to(tl.int64) * stride_kt + hk * stride_kh
+        v_base = V + prefix_start.to(tl.int64) * stride_vt + hk * stride_vh
+        qc = prefix_len + i0 + offs_m
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window,
+                                   qk_scale, softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP,
+                                   BLOCK_N, EVEN_D)
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window,
+                                   qk_scale, softcap, offs_n, offs_d, d_mask, False, False, HAS_WINDOW, HAS_SOFTCAP,
+                                   BLOCK_N, EVEN_D)
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m2, prefix_len, qc, window,
+                                   qk_scale, softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP,
+                                   BLOCK_N, EVEN_D)
+    # B: the tile's own segment, causal
+    lo = tl.maximum(i0 - window + 1, 0)
+    m1, m2 = _split_range(lo, i1 + 1, i1 - window + 1, i0 + 1, BLOCK_N)
+    k_base = K + seg_start.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + seg_start.to(tl.int64) * stride_vt + hk * stride_vh
+    qc = i0 + offs_m
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window, qk_scale,
+                               softcap, offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window, qk_scale,
+                               softcap, offs_n, offs_d, d_mask, False, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m2, i1 + 1, qc, window,
+                               qk_scale, softcap, offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
+                               EVEN_D)
+
+    # every valid row sees at least its own key, so l_i > 0 there
+    l_safe = tl.where(row_mask, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    tl.store(LSE + h.to(tl.int64) * T + q_start + offs_m, m_i + tl.math.log2(l_safe), mask=row_mask)
+    tl.store(O + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], acc.to(O.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T, NUM_HEADS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[h, t] = do[t, h] . o[t, h], the softmax-gradient row term."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < T) & (offs_d[None, :] < HEAD_DIM)
+    r64 = rows.to(tl.int64)
+    o = tl.load(O + r64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + r64[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + h.to(tl.int64) * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T)
+
+
+@triton.jit
+def _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, qc, window, qk_scale, softcap,
+              offs_n, offs_d, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr):
+    """dq += sum_j dx_ij k_j over keys [lo, hi) of one key range (scale applied by the caller)."""
+    for start in range(lo, hi, BLOCK_N):
+        j = start + offs_n
+        rows = j.to(tl.int64)
+        k = _load_tile(k_base + rows[:, None] * stride_kt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
+        v = _load_tile(v_base + rows[:, None] * stride_vt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
+        z, t = _scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
+        p = tl.math.exp2(z - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(qc, j, hi, window, CAUSAL, HAS_WINDOW), p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        dx = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            dx = dx * (1.0 - t * t)
+        dq += tl.dot(dx.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                   stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale, qk_scale, softcap, window,
+                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % NUM_HEADS
+    tile = pid // NUM_HEADS
+    q_start = tl.load(TILES + tile * 5 + 0)
+    q_end = tl.load(TILES + tile * 5 + 1)
+    seg_start = tl.load(TILES + tile * 5 + 2)
+    prefix_start = tl.load(TILES + tile * 5 + 3)
+    prefix_len = tl.load(TILES + tile * 5 + 4)
+    hk = h // GROUP
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    row_mask = q_start + offs_m < q_end
+    q_rows = (q_start + offs_m).to(tl.int64)
+    qd_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(DO + q_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + h.to(tl.int64) * T + q_start + offs_m, mask=row_mask, other=0.0)
+    delta = tl.load(DELTA + h.to(tl.int64) * T + q_start + offs_m, mask=row_mask, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    i0 = q_start - seg_start
+    i1 = q_end - 1 - seg_start
+    if prefix_len > 0:
+        lo = tl.maximum(prefix_len + i0 - window + 1, 0)
+        m1, m2 = _split_range(lo, prefix_len, prefix_len + i1 - window + 1, prefix_len, BLOCK_N)
+        k_base = K + prefix_start.to(tl.int64) * stride_kt + hk * stride_kh
+        v_base = V + prefix_start.to(tl.int64) * stride_vt + hk * stride_vh
+        qc = prefix_len + i0 + offs_m
+        dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window, qk_scale,
+                       softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+        dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window, qk_scale,
+                       softcap, offs_n, offs_d, d_mask, False, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+        dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m2, prefix_len, qc, window,
+                       qk_scale, softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+    lo = tl.maximum(i0 - window + 1, 0)
+    m1, m2 = _split_range(lo, i1 + 1, i1 - window + 1, i0 + 1, BLOCK_N)
+    k_base = K + seg_start.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + seg_start.to(tl.int64) * stride_vt + hk * stride_vh
+    qc = i0 + offs_m
+    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window, qk_scale, softcap,
+                   offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window, qk_scale, softcap,
+                   offs_n, offs_d, d_mask, False, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m2, i1 + 1, qc, window, qk_scale,
+                   softcap, offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+    tl.store(DQ + q_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=qd_mask)
+
+
+@triton.jit
+def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_head_off, do_head_off, lse_head_off, POS,
+                stride_qt, stride_dot, lo, hi, k_start, window, qk_scale, softcap, offs_m, offs_d, d_mask,
+                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                EVEN_D: tl.constexpr):
+    """dk, dv (N, D) += contributions of queries [lo, hi) of one query head.
+
+    Queries of the range belong to the key tile's group; without a window a query sees a key iff
+    it comes later in the packed order (responses follow their prompt), so only the diagonal and
+    the range end need masks. With a window, positions decide and invisible blocks are skipped.
+    """
+    for start in range(lo, hi, BLOCK_M):
+        i = start + offs_m
+        rows = i.to(tl.int64)
+        run = True
+        if HAS_WINDOW:
+            pos_q = tl.load(POS + rows, mask=i < hi, other=2**30).to(tl.int32)
+            run = tl.min(pos_q, 0) - max_pos_k < window
+        if run:
+            q = _load_tile(Q + q_head_off + rows[:, None] * stride_qt + offs_d[None, :], i < hi, d_mask, MASKED, EVEN_D)
+            do = _load_tile(DO + do_head_off + rows[:, None] * stride_dot + offs_d[None, :], i < hi, d_mask, MASKED,
+                            EVEN_D)
+            lse = tl.load(LSE + lse_head_off + rows, mask=i < hi, other=0.0)
+            delta = tl.load(DELTA + lse_head_off + rows, mask=i < hi, other=0.0)
+            z, t = _scores(k, q, qk_scale, softcap, HAS_SOFTCAP)  # (N, M): keys x queries
+            p = tl.math.exp2(z - lse[None, :])
+            if MASKED:
+                vis = (i[None, :] < hi) & (i[None, :] >= k_start + offs_n[:, None])
+                if HAS_WINDOW:
+                    vis = vis & (pos_q[None, :] - pos_k[:, None] < window)
+                p = tl.where(vis, p, 0.0)
+            dv += tl.dot(p.to(do.dtype), do)
+            dp = tl.dot(v, tl.trans(do))
+            dx = p * (dp - delta[None, :])
+            if HAS_SOFTCAP:
+                dx = dx * (1.0 - t * t)
+            dk += tl.dot(dx.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, POS, ITEMS, PARTIAL_DK, PARTIAL_DV, stride_qt, stride_qh,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh,
+                     stride_dvt, stride_dvh, T, sm_scale, qk_scale, softcap, window, NUM_KV_HEADS: tl.constexpr,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    pid = tl.program_id(0)
+    hk = pid % NUM_KV_HEADS
+    item = pid // NUM_KV_HEADS
+    k_start = tl.load(ITEMS + item * 5 + 0)
+    k_end = tl.load(ITEMS + item * 5 + 1)
+    q_lo = tl.load(ITEMS + item * 5 + 2)
+    q_hi = tl.load(ITEMS + item * 5 + 3)
+    slot = tl.load(ITEMS + item * 5 + 4)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    key_ok = k_start + offs_n < k_end
+    k_rows = (k_start + offs_n).to(tl.int64)
+    kd_mask = key_ok[:, None] & d_mask[None, :]
+    k = tl.load(K + k_rows[:, None] * stride_kt + hk * stride_kh + offs_d[None, :], mask=kd_mask, other=0.0)
+    v = tl.load(V + k_rows[:, None] * stride_vt + hk * stride_vh + offs_d[None, :], mask=kd_mask, other=0.0)
+    pos_k = tl.load(POS + k_rows, mask=key_ok, other=0).to(tl.int32)
+    max_pos_k = tl.max(pos_k, 0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    if HAS_WINDOW:
+        m1 = q_lo
+        m2 = q_lo
+    else:
+        # every query at or after the tile's last key sees the whole tile
+        m1, m2 = _split_range(q_lo, q_hi, k_end - 1, q_hi, BLOCK_M)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_off = h * stride_qh
+        do_off = h * stride_doh
+        lse_off = h.to(tl.int64) * T
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_off, do_off, lse_off, POS,
+                             stride_qt, stride_dot, q_lo, m1, k_start, window, qk_scale, softcap, offs_m, offs_d,
+                             d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_off, do_off, lse_off, POS,
+                             stride_qt, stride_dot, m1, m2, k_start, window, qk_scale, softcap, offs_m, offs_d,
+                             d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_off, do_off, lse_off, POS,
+                             stride_qt, stride_dot, m2, q_hi, k_start, window, qk_scale, softcap, offs_m, offs_d,
+                             d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D)
+    dk = dk * sm_scale
+    if slot < 0:
+        tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=kd_mask)
+        tl.store(DV + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=kd_mask)
+    else:
+        # partial of one query chunk: fp32 rows [slot * BLOCK_N, +BLOCK_N) of a (slots * BLOCK_N, Hkv, BLOCK_D) buffer
+        p_rows = (slot * BLOCK_N + offs_n).to(tl.int64)
+        p_off = (p_rows[:, None] * NUM_KV_HEADS + hk) * BLOCK_D + offs_d[None, :]
+        tl.store(PARTIAL_DK + p_off, dk)
+        tl.store(PARTIAL_DV + p_off, dv)
+
+
+@triton.jit
+def _bwd_reduce_kernel(PARTIAL_DK, PARTIAL_DV, DK, DV, REDUCE, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                       NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """Sum a key tile's chunk partials in chunk order (fixed order: bitwise reproducible)."""
+    pid = tl.program_id(0)
+    hk = pid % NUM_KV_HEADS
+    entry = pid // NUM_KV_HEADS
+    k_start = tl.load(REDUCE + entry * 4 + 0)
+    k_end = tl.load(REDUCE + entry * 4 + 1)
+    slot0 = tl.load(REDUCE + entry * 4 + 2)
+    n_slots = tl.load(REDUCE + entry * 4 + 3)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for s in range(slot0, slot0 + n_slots):
+        p_rows = (s * BLOCK_N + offs_n).to(tl.int64)
+        p_off = (p_rows[:, None] * NUM_KV_HEADS + hk) * BLOCK_D + offs_d[None, :]
+        dk += tl.load(PARTIAL_DK + p_off)
+        dv += tl.load(PARTIAL_DV + p_off)
+    k_rows = (k_start + offs_n).to(tl.int64)
+    mask = (k_start + offs_n < k_end)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
+
+
+# ==================================================================================== configs
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block shapes and launch settings of one pass. Block shapes shape the host tables, so they
+    are chosen per head dim (measured on an H200, see PERF_NOTES.md) rather than autotuned."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def fwd_config(head_dim: int, device: torch.device) -> KernelConfig:
+    if device.type != "cuda":
+        return KernelConfig(16, 16, 1, 1)
+    if head_dim <= 64:
+        return KernelConfig(128, 64, 4, 3)
+    if head_dim <= 128:
+        return KernelConfig(128, 64, 8, 3)
+    if head_dim <= 256:
+        return KernelConfig(64, 64, 4, 2)
+    return KernelConfig(64, 32, 8, 2)
+
+
+def bwd_config(head_dim: int, device: torch.device) -> KernelConfig:
+    """block_m: query block of the dK/dV pass and query tile of the dQ pass; block_n: key tile."""
+    if device.type != "cuda":
+        return KernelConfig(16, 16, 1, 1)
+    if head_dim <= 64:
+        return KernelConfig(64, 128, 8, 2)
+    if head_dim <= 128:
+        return KernelConfig(64, 128, 8, 2)
+    if head_dim <= 256:
+        return KernelConfig(32, 64, 4, 2)
+    return KernelConfig(16, 32, 4, 1)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+# ==================================================================================== tables
+def _int32(rows: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int32)).to(device)
+
+
+def query_tiles(layout: DualKVLayout, block_m: int) -> torch.Tensor:
+    """(n, 5) int32 rows ``(q_start, q_end, seg_start, prefix_start, prefix_len)``, heaviest first."""
+
+    def build():
+        rows = []
+        for start, length, prefix_start, prefix_len in layout.segments:
+            t0 = np.arange(start, start + length, block_m)
+            t1 = np.minimum(t0 + block_m, start + length)
+            rows.append(np.stack([t0, t1, np.full_like(t0, start), np.full_like(t0, prefix_start),
+                                  np.full_like(t0, prefix_len)], 1))
+        tiles = np.concatenate(rows)
+        work = tiles[:, 4] + tiles[:, 1] - tiles[:, 2]  # keys seen by the tile's last row
+        return _int32(tiles[np.argsort(-work, kind="stable")], layout.device)
+
+    return layout.derived(("query_tiles", block_m), build)
+
+
+def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: int, sm_count: int):
+    """Work of the dK/dV pass.
+
+    items:  (n, 5) int32 ``(k_start, k_end, q_lo, q_hi, slot)``: one key tile and one chunk of the
+            queries that see it; ``slot`` -1 writes dK/dV directly, else a partial-buffer slot.
+    reduce: (m, 4) int32 ``(k_start, k_end, first_slot, n_slots)`` for tiles split into chunks.
+    """
+
+    def build():
+        tiles = []  # (k_start, k_end, q_hi)
+        start = 0
+        for prompt_len, responses in layout.groups_with_padding():
+            group_end = start + prompt_len + sum(responses)
+            for seg_start, seg_len, q_hi in [(start, prompt_len, group_end)] + [
+                (s, r, s + r) for s, r in zip(np.cumsum([start + prompt_len, *responses[:-1]]), responses)
+            ]:
+                for k0 in range(seg_start, seg_start + seg_len, block_n):
+                    tiles.append((k0, min(k0 + block_n, seg_start + seg_len), q_hi))
+            start = group_end
+        # chunk length: enough items for a few waves of the GPU, never below one query block
+        total_queries = sum(q_hi - k0 for k0, _, q_hi in tiles)
+        target_items = max(len(tiles), 4 * sm_count // max(num_kv_heads, 1))
+        chunk = max(block_m, -(-total_queries // target_items))
+        chunk = -(-chunk // block_m) * block_m
+        items, reduce, slots = [], [], 0
+        for k0, k1, q_hi in tiles:
+            bounds = list(range(k0, q_hi, chunk)) + [q_hi]
+            if len(bounds) == 2:
+                items.append((k0, k1, k0, q_hi, -1))
+                continue
+            reduce.append((k0, k1, slots, len(bounds) - 1))
+            for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+                items.append((k0, k1, lo, hi, slots + c))
+            slots += len(bounds) - 1
+        items = np.asarray(items, dtype=np.int64).reshape(-1, 5)
+        items = items[np.argsort(-(items[:, 3] - items[:, 2]), kind="stable")]
+        return _int32(items, layout.device), _int32(np.asarray(reduce).reshape(-1, 4), layout.device), slots
+
+    return layout.derived(("key_items", block_n, block_m, num_kv_heads, sm_count), build)
+
+
+# ==================================================================================== launchers
+@dataclass(frozen=True)
+class KernelTables:
+    """Everything the kernels read from a layout, for one head dim on one device."""
+
+    fwd_tiles: torch.Tensor  # query tiles of the forward
+    dq_tiles: torch.Tensor  # query tiles of the dQ pass
+    kv_items: torch.Tensor  # (key tile, query chunk) work of the dK/dV pass
+    kv_reduce: torch.Tensor  # split key tiles to reduce
+    num_slots: int  # partial-buffer slots used by kv_items
+    positions: torch.Tensor  # (T,) logical positions
+
+
+@torch.compiler.disable
+def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int) -> KernelTables:
+    """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
+    fwd, bwd = fwd_config(head_dim, layout.device), bwd_config(head_dim, layout.device)
+    items, reduce, slots = key_items(layout, bwd.block_n, bwd.block_m, num_kv_heads, _sm_count(layout.device))
+    return KernelTables(query_tiles(layout, fwd.block_m), query_tiles(layout, bwd.block_m), items, reduce, slots,
+                        layout.position_ids)
+
+
+def _window(window_size: Optional[int]) -> int:
+    return NO_WINDOW if window_size is None else int(window_size)
+
+
+def _softcap_log2(softcap: Optional[float]) -> float:
+    return 0.0 if softcap is None else float(softcap) * LOG2E
+
+
+def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: Optional[float]):
+    T, Hq, D = q.shape
+    cfg = fwd_config(D, q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+    _fwd_kernel[(tiles.shape[0] * Hq,)](
+        q, k, v, out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size),
+        NUM_HEADS=Hq, GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, positions, sm_scale: float,
+         window_size: Optional[int], softcap: Optional[float]):
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    BLOCK_D = triton.next_power_of_2(D)
+    cfg = bwd_config(D, q.device)
+    common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D)
+    scalars = (sm_scale, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size))
+
+    delta = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+    _bwd_delta_kernel[(triton.cdiv(T, 64), Hq)](out, do, delta, out.stride(0), out.stride(1), do.stride(0),
+                                                do.stride(1), T, NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+                                                BLOCK_M=64)
+    dq = torch.empty_like(q)
+    _bwd_dq_kernel[(dq_tiles.shape[0] * Hq,)](
+        q, k, v, do, dq, lse, delta, dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars, NUM_HEADS=Hq,
+        GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **common,
+    )
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    partial_dk = torch.empty(max(num_slots, 1) * cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
+    partial_dv = torch.empty_like(partial_dk)
+    _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
+        q, k, v, do, dk, dv, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1),
+        dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+    )
+    if kv_reduce.shape[0]:
+        _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv,)](
+            partial_dk, partial_dv, dk, dv, kv_reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg.block_n,
+        )
+    return dq, dk, dv
+
+
+# ==================================================================================== torch ops
+# Custom ops make the kernels opaque nodes for torch.compile; the tables travel as tensor inputs.
+@torch.library.custom_op("megatron_dualkv::dualkv_attn_fwd", mutates_args=())
+def dualkv_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd_tiles: torch.Tensor,
+                       dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor, num_slots: int,
+                       positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
+                       softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward tables ride along for autograd."""
+    return _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap)
+
+
+@dualkv_attn_fwd_op.register_fake
+def _(q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("megatron_dualkv::dualkv_attn_bwd", mutates_args=())
+def dualkv_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor,
+                       num_slots: int, positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
+                       softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq, dk, dv, bitwise reproducible (chunk partials are reduced in a fixed order, no atomics)."""
+    return _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
+                softcap)
+
+
+@dualkv_attn_bwd_op.register_fake
+def _(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, _, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions)
+    ctx.args = (num_slots, sm_scale, window_size, softcap)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions = ctx.saved_tensors
+    num_slots, sm_scale, window_size, softcap = ctx.args
+    dq, dk, dv = dualkv_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots,
+                                    positions, sm_scale, window_size, softcap)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+dualkv_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DualKVLayout,
+                       softmax_scale: Optional[float] = None, window_size: Optional[int] = None,
+                       softcap: Optional[float] = None, deterministic: bool = False) -> torch.Tensor:
+    """Fused DualKV attention. q (T, Hq, D), k/v (T, Hkv, D), D <= 512 -> (T, Hq, D).
+
+    Gradients are bitwise reproducible whatever ``deterministic`` says: the prompt's dK/dV chunk
+    partials are reduced in a fixed order, and dQ is computed per query tile without atomics.
+    """
+    sm_scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
+    if q.shape[2] > 512:
+        raise ValueError(f"the Triton DualKV kernels support head_dim <= 512, got {q.shape[2]}")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    layout = layout.to(q.device)
+    t = kernel_tables(layout, q.shape[2], k.shape[1])
+    out, _ = dualkv_attn_fwd_op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions,
+                                sm_scale, window_size, None if softcap is None else float(softcap))
+    return out

@@ -1,0 +1,120 @@
+"""Triton DualKV kernels on CPU (interpreter, tiny shapes) against the float64 reference."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
+from megatron_dualkv.ops.dualkv_attn import bwd_config, key_items, kernel_tables
+from megatron_dualkv.ops.reference import dualkv_attention_reference
+from strategies import rollout_groups
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests; GPU has its own module")
+
+
+def run_both(layout, hq, hkv, d, window=None, softcap=None, scale=None, seed=0):
+    """Kernel (float32) and reference (float64) outputs and q/k/v gradients for one random input."""
+    g = torch.Generator().manual_seed(seed)
+    T = layout.total_tokens
+    q, k, v = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv))
+    dout = torch.randn(T, hq, d, generator=g)
+    results = []
+    for dtype, backend in ((torch.float32, "triton"), (torch.float64, "reference")):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = dualkv_attn_func(*x, layout, scale, window, softcap, backend=backend)
+        results.append((out, *torch.autograd.grad(out, x, dout.to(dtype))))
+    return results
+
+
+def assert_matches(got, want, tol=2e-5):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
+        err = (a.double() - b).abs().max().item()
+        assert err <= tol * (1 + b.abs().max().item()), f"{name}: max error {err:.3e}"
+
+
+@given(
+    rollout_groups(max_groups=3, max_prompt=40, max_responses=3, max_response=24),
+    st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
+    st.sampled_from([16, 24]),
+    st.one_of(st.none(), st.integers(1, 40)),
+    st.one_of(st.none(), st.floats(1.0, 10.0)),
+    st.sampled_from([1, 16]),
+)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_kernels_match_reference(groups, heads, d, window, softcap, multiple):
+    layout = pack_groups(groups, pad_to_multiple_of=multiple).layout
+    got, want = run_both(layout, *heads, d, window, softcap, scale=0.9 / d**0.5)
+    assert_matches(got, want)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256, 512])
+def test_head_dims(d):
+    layout = DualKVLayout((19,), ((5, 17, 1),))
+    got, want = run_both(layout, 4, 2, d, window=11 if d in (128, 512) else None)
+    assert_matches(got, want)
+
+
+def test_many_groups_with_p1_and_r1_and_split_key_tiles():
+    layout = DualKVLayout((1, 33, 2, 1, 50), ((1,), (1, 40, 2), (3, 3, 3, 3), (20,), (1, 1)), pad_len=7)
+    block = bwd_config(16, layout.device)
+    _, reduce, slots = key_items(layout, block.block_n, block.block_m, 1, 4)
+    assert reduce.shape[0] > 0 and slots > reduce.shape[0], "the layout should exercise chunked key tiles"
+    got, want = run_both(layout, 2, 1, 16, window=9, softcap=5.0)
+    assert_matches(got, want)
+
+
+def test_gradients_are_bitwise_reproducible():
+    layout = DualKVLayout((40, 9), ((30, 2), (12,)))
+    first, second = run_both(layout, 4, 1, 16, seed=3)[0], run_both(layout, 4, 1, 16, seed=3)[0]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_key_items_cover_every_visible_pair_once():
+    """Each (query, key) pair the mask allows lies in exactly one dK/dV work item."""
+    layout = DualKVLayout((45, 3), ((20, 31, 1), (2,)), pad_len=5)
+    items, _, _ = key_items(layout, 16, 16, 2, 8)
+    count = torch.zeros(layout.total_tokens, layout.total_tokens, dtype=torch.int32)
+    for k0, k1, q0, q1, _ in items.tolist():
+        count[q0:q1, k0:k1] += 1
+    mask = layout.dense_mask()
+    assert torch.all(count[mask] == 1)
+    # outside the mask, items only hold the causal triangle of their diagonal blocks
+    assert torch.all(count[~mask & (torch.arange(layout.total_tokens)[:, None] > torch.arange(layout.total_tokens))] == 0)
+
+
+def test_tables_are_cached_per_layout():
+    layout = DualKVLayout((5,), ((3,),))
+    assert kernel_tables(layout, 16, 1).fwd_tiles is kernel_tables(layout, 16, 1).fwd_tiles
+
+
+def test_torch_compile_sees_an_opaque_op():
+    layout = DualKVLayout((13,), ((6, 9),))
+    q, k, v = (torch.randn(28, h, 16, requires_grad=True) for h in (2, 1, 1))
+
+    def f(q, k, v):
+        return dualkv_attn_func(q, k, v, layout, backend="triton").square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=False)
+    loss, grads = compiled(q, k, v), None
+    grads = torch.autograd.grad(loss, (q, k, v))
+    want = torch.autograd.grad(f(q, k, v), (q, k, v))
+    torch.testing.assert_close(loss, f(q, k, v))
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_head_dim_above_512_is_refused():
+    layout = DualKVLayout((2,), ((1,),))
+    x = torch.zeros(3, 1, 640)
+    with pytest.raises(ValueError, match="head_dim <= 512"):
+        dualkv_attn_func(x, x, x, layout, backend="triton")
+
+
+def test_triton_backend_refused_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    layout = DualKVLayout((2,), ((1,),))
+    x = torch.zeros(3, 1, 16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dualkv_attn_func(x, x, x, layout, backend="triton")
