@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -121,6 +121,15 @@ class DualKVLayout:
     def max_seqlen(self) -> int:
         """Longest segment: the ``max_seqlen`` Megatron's thd path wants with ``cu_seqlens``."""
         return max(self.segment_lens, default=0)
+
+    def attention_pairs(self, window_size: Optional[int] = None) -> int:
+        """(query, key) pairs the mask allows. A query at logical position p sees exactly the
+        positions max(0, p - window + 1)..p (prompt keys, then its own response's), so the count
+        is sum_t min(p_t + 1, window): the useful work FLOP counts are based on."""
+        visible = self.position_ids.cpu() + 1
+        if window_size is not None:
+            visible = visible.clamp(max=window_size)
+        return int(visible.sum())
 
     @cached_property
     def segments(self) -> Tuple[Tuple[int, int, int, int], ...]:

@@ -127,13 +127,9 @@ class PackedBatch:
 
     @property
     def attention_pair_ratio(self) -> float:
-        """Causal (query, key) pairs of the replicated layout over those of the packed layout."""
-        tri = lambda n: n * (n + 1) // 2  # noqa: E731
-        replicated = packed = 0
-        for p, rs in zip(self.layout.prompt_lens, self.layout.response_lens):
-            replicated += sum(tri(p + r) for r in rs)
-            packed += tri(p) + sum(r * p + tri(r) for r in rs)
-        return replicated / packed
+        """Causal (query, key) pairs of the replicated layout over those of the packed layout (padding excluded)."""
+        pad = self.layout.pad_len * (self.layout.pad_len + 1) // 2
+        return self.replicated().layout.attention_pairs() / (self.layout.attention_pairs() - pad)
 
     def __repr__(self) -> str:
         return f"PackedBatch(tokens={self.num_tokens}, rho={self.rho:.2f}, layout={self.layout})"

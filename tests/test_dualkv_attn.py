@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
-from megatron_dualkv.ops.dualkv_attn import bwd_config, key_items, kernel_tables
+from megatron_dualkv.ops.dualkv_attn import kernel_config, key_items, kernel_tables
 from megatron_dualkv.ops.reference import dualkv_attention_reference
 from strategies import rollout_groups
 
@@ -57,7 +57,7 @@ def test_head_dims(d):
 
 def test_many_groups_with_p1_and_r1_and_split_key_tiles():
     layout = DualKVLayout((1, 33, 2, 1, 50), ((1,), (1, 40, 2), (3, 3, 3, 3), (20,), (1, 1)), pad_len=7)
-    block = bwd_config(16, layout.device)
+    block = kernel_config("dkdv", 16, layout.device)
     _, reduce, slots = key_items(layout, block.block_n, block.block_m, 1, 4)
     assert reduce.shape[0] > 0 and slots > reduce.shape[0], "the layout should exercise chunked key tiles"
     got, want = run_both(layout, 2, 1, 16, window=9, softcap=5.0)

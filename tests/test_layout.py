@@ -73,3 +73,9 @@ def test_to_device_is_cached_and_keeps_metadata():
 def test_bad_lengths(args, message):
     with pytest.raises(ValueError, match=message):
         DualKVLayout(*args)
+
+
+@given(layouts(), st.one_of(st.none(), st.integers(1, 6)))
+@settings(max_examples=40, deadline=None)
+def test_attention_pairs_counts_the_mask(layout, window):
+    assert layout.attention_pairs(window) == int(layout.dense_mask(window).sum())

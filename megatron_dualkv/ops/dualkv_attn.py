@@ -425,37 +425,33 @@ def _bwd_reduce_kernel(PARTIAL_DK, PARTIAL_DV, DK, DV, REDUCE, stride_dkt, strid
 @dataclass(frozen=True)
 class KernelConfig:
     """Block shapes and launch settings of one pass. Block shapes shape the host tables, so they
-    are chosen per head dim (measured on an H200, see PERF_NOTES.md) rather than autotuned."""
+    are picked per head dim from measurements (tools/bench_attention.py --tune, PERF_NOTES.md)
+    rather than autotuned at run time."""
 
-    block_m: int
-    block_n: int
+    block_m: int  # query rows per block
+    block_n: int  # key rows per block
     num_warps: int
     num_stages: int
 
 
-def fwd_config(head_dim: int, device: torch.device) -> KernelConfig:
-    if device.type != "cuda":
-        return KernelConfig(16, 16, 1, 1)
-    if head_dim <= 64:
-        return KernelConfig(128, 64, 4, 3)
-    if head_dim <= 128:
-        return KernelConfig(128, 64, 8, 3)
-    if head_dim <= 256:
-        return KernelConfig(64, 64, 4, 2)
-    return KernelConfig(64, 32, 8, 2)
+# pass -> ((max head dim, config), ...): the first entry whose head dim fits. The dK/dV pass keeps a
+# key tile resident and streams small query blocks; the forward and dQ passes the reverse.
+GPU_CONFIGS = {
+    "fwd": ((64, KernelConfig(128, 64, 4, 3)), (128, KernelConfig(128, 64, 8, 3)),
+            (256, KernelConfig(64, 64, 4, 2)), (512, KernelConfig(64, 32, 8, 2))),
+    "dq": ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 32, 4, 3)),
+           (256, KernelConfig(64, 32, 4, 2)), (512, KernelConfig(32, 32, 8, 1))),
+    "dkdv": ((64, KernelConfig(32, 128, 4, 3)), (128, KernelConfig(32, 128, 8, 3)),
+             (256, KernelConfig(32, 64, 4, 2)), (512, KernelConfig(16, 32, 8, 1))),
+}
+# the interpreter runs blocks as numpy arrays: small blocks keep CPU tests fast and multi-block
+INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
 
 
-def bwd_config(head_dim: int, device: torch.device) -> KernelConfig:
-    """block_m: query block of the dK/dV pass and query tile of the dQ pass; block_n: key tile."""
+def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> KernelConfig:
     if device.type != "cuda":
-        return KernelConfig(16, 16, 1, 1)
-    if head_dim <= 64:
-        return KernelConfig(64, 128, 8, 2)
-    if head_dim <= 128:
-        return KernelConfig(64, 128, 8, 2)
-    if head_dim <= 256:
-        return KernelConfig(32, 64, 4, 2)
-    return KernelConfig(16, 32, 4, 1)
+        return INTERPRETER_CONFIG
+    return next(cfg for max_d, cfg in GPU_CONFIGS[pass_name] if head_dim <= max_d)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -543,9 +539,9 @@ class KernelTables:
 @torch.compiler.disable
 def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
-    fwd, bwd = fwd_config(head_dim, layout.device), bwd_config(head_dim, layout.device)
-    items, reduce, slots = key_items(layout, bwd.block_n, bwd.block_m, num_kv_heads, _sm_count(layout.device))
-    return KernelTables(query_tiles(layout, fwd.block_m), query_tiles(layout, bwd.block_m), items, reduce, slots,
+    fwd, dq, dkdv = (kernel_config(name, head_dim, layout.device) for name in ("fwd", "dq", "dkdv"))
+    items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
+    return KernelTables(query_tiles(layout, fwd.block_m), query_tiles(layout, dq.block_m), items, reduce, slots,
                         layout.position_ids)
 
 
@@ -559,7 +555,7 @@ def _softcap_log2(softcap: Optional[float]) -> float:
 
 def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: Optional[float]):
     T, Hq, D = q.shape
-    cfg = fwd_config(D, q.device)
+    cfg = kernel_config("fwd", D, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
     _fwd_kernel[(tiles.shape[0] * Hq,)](
@@ -577,7 +573,7 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
-    cfg = bwd_config(D, q.device)
+    dq_cfg, kv_cfg = kernel_config("dq", D, q.device), kernel_config("dkdv", D, q.device)
     common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D)
     scalars = (sm_scale, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size))
 
@@ -589,22 +585,22 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     _bwd_dq_kernel[(dq_tiles.shape[0] * Hq,)](
         q, k, v, do, dq, lse, delta, dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars, NUM_HEADS=Hq,
-        GROUP=Hq // Hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common,
+        GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
+        num_stages=dq_cfg.num_stages, **common,
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    partial_dk = torch.empty(max(num_slots, 1) * cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
+    partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
     _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
         q, k, v, do, dk, dv, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv, BLOCK_M=kv_cfg.block_m,
+        BLOCK_N=kv_cfg.block_n, num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common,
     )
     if kv_reduce.shape[0]:
         _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv,)](
             partial_dk, partial_dv, dk, dv, kv_reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg.block_n,
+            NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=kv_cfg.block_n,
         )
     return dq, dk, dv
 

@@ -1,0 +1,232 @@
+"""DualKV attention benchmark: our Triton kernels vs FlexAttention (same mask, packed layout) vs
+PyTorch SDPA (cuDNN / flash / memory-efficient) on the replicated layout.
+
+For each workload: median forward and forward+backward time, useful TFLOP/s (only the (query,
+key) pairs the mask allows: 4*D*Hq FLOPs per pair forward, 2.5x that backward) and peak memory
+above the inputs. Prints a table, writes CSV and a PNG plot.
+
+    python tools/bench_attention.py --out bench/            # all workloads, all methods
+    python tools/bench_attention.py --tune fwd,dq,dkdv --workloads d128-16x8192x1024   # sweep block configs
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_dualkv import DualKVLayout, dualkv_attn_func  # noqa: E402
+from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    n: int
+    p: int
+    r: int
+    hq: int
+    hkv: int
+    d: int
+    window: int | None = None
+
+    def layout(self) -> DualKVLayout:
+        return DualKVLayout((self.p,), ((self.r,) * self.n,)).to("cuda")
+
+
+WORKLOADS = [
+    Workload("d128-16x8192x1024", 16, 8192, 1024, 32, 8, 128),
+    Workload("d128-32x8192x512", 32, 8192, 512, 32, 8, 128),
+    Workload("d128-8x4096x4096", 8, 4096, 4096, 32, 8, 128),
+    Workload("d256-16x8192x1024", 16, 8192, 1024, 16, 8, 256),
+    Workload("d512-16x8192x1024", 16, 8192, 1024, 32, 16, 512),
+]
+METHODS = ["dualkv", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+
+
+def bench(fn, grad_to_none=None) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median")
+
+
+def inputs(w: Workload, dtype=torch.bfloat16):
+    T = w.p + w.n * w.r
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(T, h, w.d, device="cuda", dtype=dtype, generator=g) for h in (w.hq, w.hkv, w.hkv))
+    return q, k, v
+
+
+def method_fn(method: str, w: Workload, layout: DualKVLayout, q, k, v):
+    """(callable that returns the output, leaf tensors to differentiate). Setup is not timed."""
+    if method == "dualkv":
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        return (lambda: dualkv_attn_func(*x, layout, window_size=w.window, backend="triton")), x
+    if method == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        seg = torch.repeat_interleave(torch.arange(len(layout.segment_lens), device="cuda"),
+                                      torch.tensor(layout.segment_lens, device="cuda"))
+        group, prompt, pos = layout.segment_group[seg], layout.segment_is_prompt[seg], layout.position_ids
+        window = w.window or 2**30
+
+        def mask_mod(b, h, qi, ki):
+            return ((group[qi] == group[ki]) & (prompt[ki] | (seg[qi] == seg[ki])) & (pos[ki] <= pos[qi])
+                    & (pos[qi] - pos[ki] < window))
+
+        T = layout.total_tokens
+        block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+        x = [t.transpose(0, 1).unsqueeze(0).clone().requires_grad_() for t in (q, k, v)]
+        return (lambda: flex(*x, block_mask=block_mask, enable_gqa=True)), x
+    # SDPA on the replicated layout: N sequences [P][R_i], kv heads expanded (SDPA backends need it)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[method]
+    index = torch.cat([torch.cat([torch.arange(w.p), w.p + i * w.r + torch.arange(w.r)]) for i in range(w.n)]).cuda()
+    rep = w.hq // w.hkv
+    x = [t[index].view(w.n, w.p + w.r, t.shape[1], w.d).repeat_interleave(rep if t is not q else 1, 2)
+         .transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(*x, is_causal=True)
+
+    return run, x
+
+
+def measure(method: str, w: Workload):
+    layout = w.layout()
+    q, k, v = inputs(w)
+    fn, leaves = method_fn(method, w, layout, q, k, v)
+    out = fn()
+    dout = torch.randn_like(out)
+
+    def fwd_bwd():
+        fn().backward(dout)
+
+    fwd_bwd()
+    torch.cuda.synchronize()
+    fwd_ms = bench(fn)
+    fwd_bwd_ms = bench(fwd_bwd, grad_to_none=leaves)
+    del out
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    flops = 4 * w.d * w.hq * layout.attention_pairs(w.window)
+    return dict(workload=w.name, method=method, fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms,
+                fwd_tflops=flops / fwd_ms / 1e9, fwd_bwd_tflops=3.5 * flops / fwd_bwd_ms / 1e9, peak_gib=peak_gib)
+
+
+def candidates(pass_name: str, d: int):
+    """Block configs worth trying for one pass: large query blocks for fwd/dQ, large key tiles for dK/dV."""
+    big, small = ((128, 64), (32, 64)) if d <= 128 else ((64,), (16, 32))
+    if pass_name == "dkdv":
+        blocks = itertools.product(small, (64, 128) if d <= 128 else (32, 64))
+    else:
+        blocks = itertools.product(big, (32, 64, 128) if d <= 128 else (32, 64))
+    return [kernels.KernelConfig(bm, bn, warps, stages)
+            for (bm, bn), warps, stages in itertools.product(blocks, (4, 8), (2, 3) if d <= 256 else (1, 2))]
+
+
+def tune(w: Workload, passes):
+    """Time each candidate config of each pass on one workload (the other passes at their defaults)."""
+    layout = w.layout()
+    q, k, v = inputs(w)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    for pass_name in passes:
+        default = kernels.GPU_CONFIGS[pass_name]
+        timings = []
+        for cfg in candidates(pass_name, w.d):
+            kernels.GPU_CONFIGS[pass_name] = ((1 << 20, cfg),)
+            try:
+                if pass_name == "fwd":
+                    ms = bench(lambda: dualkv_attn_func(*x, layout, backend="triton"))
+                else:
+                    o = dualkv_attn_func(*x, layout, backend="triton")
+                    ms = bench(lambda: torch.autograd.grad(o, x, dout, retain_graph=True))
+            except Exception as e:  # noqa: BLE001 - out of shared memory and the like: skip the config
+                print(f"{w.name} {pass_name} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            finally:
+                kernels.GPU_CONFIGS[pass_name] = default
+            timings.append((ms, cfg))
+            print(f"{w.name} {pass_name} {cfg}: {ms:.2f} ms", flush=True)
+        if timings:
+            ms, cfg = min(timings, key=lambda t: t[0])
+            print(f"BEST {w.name} {pass_name}: {cfg} {ms:.2f} ms ({'fwd' if pass_name == 'fwd' else 'bwd'} time)")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        vals = [next((r["fwd_bwd_tflops"] for r in rows if r["workload"] == wl and r["method"] == m), 0)
+                for wl in workloads]
+        ax.bar([j + i * width for j in range(len(workloads))], vals, width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads, rotation=15)
+    ax.set_ylabel("useful TFLOP/s (fwd+bwd)")
+    ax.set_title(f"DualKV attention, {torch.cuda.get_device_name()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--out", default="bench")
+    parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv) whose configs to sweep instead")
+    args = parser.parse_args()
+    workloads = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    if args.tune:
+        for w in workloads:
+            tune(w, args.tune.split(","))
+        return
+    rows = []
+    for w in workloads:
+        for method in args.methods.split(","):
+            try:
+                row = measure(method, w)
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run a shape is a result too
+                row = dict(workload=w.name, method=method, error=f"{type(e).__name__}: {str(e)[:80]}")
+            rows.append(row)
+            torch.cuda.empty_cache()
+            print(row, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    keys = ["workload", "method", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "peak_gib", "error"]
+    with open(os.path.join(args.out, "attention.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot([r for r in rows if "error" not in r], os.path.join(args.out, "attention.png"))
+    print(f"\n{'workload':22} {'method':15} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s f':>10} {'TFLOP/s f+b':>12} {'peak GiB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['workload']:22} {r['method']:15} failed: {r['error']}")
+        else:
+            print(f"{r['workload']:22} {r['method']:15} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} "
+                  f"{r['fwd_tflops']:10.0f} {r['fwd_bwd_tflops']:12.0f} {r['peak_gib']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
