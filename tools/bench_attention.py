@@ -47,6 +47,11 @@ WORKLOADS = [
     Workload("d256-16x8192x1024", 16, 8192, 1024, 16, 8, 256),
     Workload("d512-16x8192x1024", 16, 8192, 1024, 32, 16, 512),
 ]
+# smaller shapes with the same per-block behaviour, so a config sweep fits a lease
+TUNING_WORKLOADS = [
+    Workload("tune-d256-4x8192x1024", 4, 8192, 1024, 16, 8, 256),
+    Workload("tune-d512-4x4096x1024", 4, 4096, 1024, 32, 16, 512),
+]
 METHODS = ["dualkv", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
 
 
@@ -197,7 +202,7 @@ def main():
     parser.add_argument("--out", default="bench")
     parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv) whose configs to sweep instead")
     args = parser.parse_args()
-    workloads = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    workloads = [w for w in WORKLOADS + TUNING_WORKLOADS if w.name in args.workloads.split(",")]
     if args.tune:
         for w in workloads:
             tune(w, args.tune.split(","))
