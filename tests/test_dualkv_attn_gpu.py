@@ -31,6 +31,17 @@ def check_flash_style(layout, hq, hkv, d, dtype, seed=0, **kw):
         assert err <= 2 * ref_err + 1e-4 * (1 + r.abs().max().item()), f"{name}: {err:.3e} vs reference {ref_err:.3e}"
 
 
+def test_deterministic_gradients_are_bitwise_equal():
+    layout = DualKVLayout((3000,), ((500,) * 8,)).to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(layout.total_tokens, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (16, 4, 4))
+    dout = torch.randn_like(q)
+    first = grads(layout, q, k, v, dout, "triton", deterministic=True)
+    second = grads(layout, q, k, v, dout, "triton", deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 @given(
     rollout_groups(max_groups=4, max_prompt=700, max_responses=6, max_response=300),
     st.sampled_from([(8, 2), (4, 4), (6, 1)]),
@@ -50,14 +61,3 @@ def test_fuzzed_layouts(groups, heads, d, dtype, window, softcap):
 def test_head_dims(d, dtype):
     layout = DualKVLayout((1000, 1), ((129, 700, 1, 64), (1, 1)), pad_len=3).to("cuda")
     check_flash_style(layout, 8, 2, d, dtype, window_size=300 if d >= 256 else None)
-
-
-def test_deterministic_gradients_are_bitwise_equal():
-    layout = DualKVLayout((3000,), ((500,) * 8,)).to("cuda")
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v = (torch.randn(layout.total_tokens, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (16, 4, 4))
-    dout = torch.randn_like(q)
-    first = grads(layout, q, k, v, dout, "triton", deterministic=True)
-    second = grads(layout, q, k, v, dout, "triton", deterministic=True)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)

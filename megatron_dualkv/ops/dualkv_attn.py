@@ -437,12 +437,12 @@ class KernelConfig:
 # pass -> ((max head dim, config), ...): the first entry whose head dim fits. The dK/dV pass keeps a
 # key tile resident and streams small query blocks; the forward and dQ passes the reverse.
 GPU_CONFIGS = {
-    "fwd": ((64, KernelConfig(128, 64, 4, 3)), (128, KernelConfig(128, 64, 8, 3)),
-            (256, KernelConfig(64, 64, 4, 2)), (512, KernelConfig(64, 32, 8, 2))),
-    "dq": ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 32, 4, 3)),
-           (256, KernelConfig(64, 32, 4, 2)), (512, KernelConfig(32, 32, 8, 1))),
-    "dkdv": ((64, KernelConfig(32, 128, 4, 3)), (128, KernelConfig(32, 128, 8, 3)),
-             (256, KernelConfig(32, 64, 4, 2)), (512, KernelConfig(16, 32, 8, 1))),
+    "fwd": ((64, KernelConfig(128, 64, 4, 3)), (128, KernelConfig(128, 128, 8, 3)),
+            (256, KernelConfig(64, 32, 4, 2)), (512, KernelConfig(64, 64, 8, 1))),
+    "dq": ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 64, 8, 3)),
+           (256, KernelConfig(64, 64, 4, 2)), (512, KernelConfig(64, 32, 4, 1))),
+    "dkdv": ((64, KernelConfig(64, 64, 4, 2)), (128, KernelConfig(64, 64, 4, 2)),
+             (256, KernelConfig(32, 64, 8, 3)), (512, KernelConfig(16, 32, 8, 1))),
 }
 # the interpreter runs blocks as numpy arrays: small blocks keep CPU tests fast and multi-block
 INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
