@@ -7,7 +7,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_dualkv", "megatron_dualkv.*"]),
+    packages=find_packages(include=["megatron_dualkv", "megatron_dualkv.*"]) + ["megatron_dualkv.cards"],
+    # The model cards live in the top-level models/ folder and ship as megatron_dualkv.cards.
+    package_dir={"megatron_dualkv.cards": "models"},
+    package_data={"megatron_dualkv.cards": ["*.json"]},
     # torch is left unpinned so GPU clusters keep their own build; on a CPU machine install the CPU
     # wheel first (README), or pip would pull a multi-GB CUDA build.
     install_requires=["torch>=2.4", "triton>=3.0", "megatron-core>=0.16", "numpy", "packaging"],

@@ -52,7 +52,8 @@ def qwen3_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
 def qwen3_moe_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
     kwargs = qwen3_transformer_config_kwargs(card)
     kwargs.update(
-        num_moe_experts=card_field(card, "num_experts"),
+        # transformers 5 saves the field under its attribute_map alias num_local_experts
+        num_moe_experts=card_field(card, "num_experts", None) or card_field(card, "num_local_experts"),
         moe_router_topk=card_field(card, "num_experts_per_tok"),
         moe_ffn_hidden_size=card_field(card, "moe_intermediate_size"),
         moe_layer_freq=_moe_layer_pattern(card, kwargs["num_layers"]),

@@ -442,7 +442,7 @@ GPU_CONFIGS = {
     "dq": ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 64, 8, 3)),
            (256, KernelConfig(64, 64, 4, 2)), (512, KernelConfig(64, 32, 4, 1))),
     "dkdv": ((64, KernelConfig(64, 64, 4, 2)), (128, KernelConfig(64, 64, 4, 2)),
-             (256, KernelConfig(32, 64, 8, 3)), (512, KernelConfig(16, 32, 8, 1))),
+             (256, KernelConfig(32, 64, 8, 3)), (512, KernelConfig(32, 32, 8, 2))),
 }
 # the interpreter runs blocks as numpy arrays: small blocks keep CPU tests fast and multi-block
 INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
