@@ -173,7 +173,7 @@ def tune(w: Workload, passes):
             print(f"BEST {w.name} {pass_name}: {cfg} {ms:.2f} ms ({'fwd' if pass_name == 'fwd' else 'bwd'} time)")
 
 
-def plot(rows, path):
+def plot(rows, path, title):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +189,7 @@ def plot(rows, path):
         ax.bar([j + i * width for j in range(len(workloads))], vals, width, label=m)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads, rotation=15)
     ax.set_ylabel("useful TFLOP/s (fwd+bwd)")
-    ax.set_title(f"DualKV attention, {torch.cuda.get_device_name()}")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -223,7 +223,8 @@ def main():
         writer = csv.DictWriter(f, keys)
         writer.writeheader()
         writer.writerows(rows)
-    plot([r for r in rows if "error" not in r], os.path.join(args.out, "attention.png"))
+    plot([r for r in rows if "error" not in r], os.path.join(args.out, "attention.png"),
+         f"DualKV attention, {torch.cuda.get_device_name()}")
     print(f"\n{'workload':22} {'method':15} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s f':>10} {'TFLOP/s f+b':>12} {'peak GiB':>9}")
     for r in rows:
         if "error" in r:

@@ -1,0 +1,144 @@
+"""``DualKVAttention``: Megatron-Core core attention on the DualKV packed layout.
+
+A drop-in for ``DotProductAttention`` in a layer spec (same constructor and forward contract).
+With ``packed_seq_params`` a ``DualKVPackedSeqParams`` (thd: q/k/v ``[t, heads, dim]``) it runs
+``megatron_dualkv.dualkv_attn_func`` on the layout the params carry and returns ``[t, heads*dim]``.
+Without ``packed_seq_params`` (sbhd: ``[s, b, heads, dim]``, a padded batch of plain sequences)
+it is Megatron's own ``DotProductAttention`` (causal): the same model then runs the standard
+replicated layout, which is the baseline and the equivalence oracle.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from torch import Tensor
+
+from ..attention import dualkv_attn_func
+from .packed_seq_params import DualKVPackedSeqParams
+
+CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+class DualKVAttention(DotProductAttention):
+    """Core attention for the packed DualKV layout (see the module docstring).
+
+    Honours ``softmax_scale``, GQA, the per-layer sliding window of ``config.window_size`` /
+    ``config.window_attn_skip_freq``, a logit softcap when the config defines one, and the
+    tensor-parallel head split (heads per partition).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        _check_supported(config, attn_mask_type, attention_dropout, pg_collection.tp.size())
+        super().__init__(
+            config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+            cp_comm_type, pg_collection,
+        )
+        # Not self.softmax_scale: under apply_query_key_layer_scaling DotProductAttention divides
+        # it by the layer number and multiplies back inside its softmax (an fp16 overflow guard);
+        # DualKV backends accumulate scores in fp32 and take the true scale.
+        self.dualkv_softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head)
+        )
+        self.dualkv_window = _left_window(config, layer_number)
+        # TransformerConfig 0.16.1 has no softcap field; a family config that adds one (Gemma 2
+        # calls it attn_logit_softcapping) is honoured.
+        self.dualkv_softcap = getattr(config, "attn_logit_softcapping", None)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[DualKVPackedSeqParams] = None,
+    ) -> Tensor:
+        if attention_bias is not None:
+            raise ValueError("DualKVAttention does not take an attention_bias")
+        if packed_seq_params is None:
+            if query.dim() != 4:
+                raise ValueError(
+                    f"DualKVAttention got a {query.dim()}-D query without packed_seq_params: packed (thd) input "
+                    "needs DualKVPackedSeqParams.from_layout(layout), which carries the DualKVLayout"
+                )
+            return super().forward(query, key, value, attention_mask, attn_mask_type)
+        layout = getattr(packed_seq_params, "layout", None)
+        if layout is None:
+            raise ValueError(
+                f"DualKVAttention needs the micro-batch's DualKVLayout: pass "
+                f"DualKVPackedSeqParams.from_layout(layout) as packed_seq_params, got {type(packed_seq_params).__name__} "
+                "without a layout"
+            )
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"DualKVAttention runs the packed thd format, got qkv_format={packed_seq_params.qkv_format!r}")
+        if query.dim() != 3 or query.shape[1] != self.num_attention_heads_per_partition:
+            raise ValueError(
+                f"DualKVAttention expects thd query [tokens, {self.num_attention_heads_per_partition} heads per "
+                f"partition, head_dim], got shape {tuple(query.shape)}"
+            )
+        if query.shape[0] != layout.total_tokens:
+            raise ValueError(
+                f"DualKVAttention: the query has {query.shape[0]} tokens but the DualKVLayout describes "
+                f"{layout.total_tokens}; the layout must be the one the micro-batch was packed with"
+            )
+        out = dualkv_attn_func(
+            query, key, value, layout,
+            softmax_scale=self.dualkv_softmax_scale,
+            window_size=self.dualkv_window,
+            softcap=self.dualkv_softcap,
+            deterministic=self.config.deterministic_mode,
+        )
+        return out.reshape(out.shape[0], -1)
+
+
+def _check_supported(config: TransformerConfig, attn_mask_type, attention_dropout, tp_size: int) -> None:
+    if config.num_attention_heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads ({config.num_attention_heads}) is not divisible by the tensor-parallel size ({tp_size})"
+        )
+    if config.num_query_groups % tp_size:
+        raise ValueError(
+            f"num_query_groups ({config.num_query_groups}) is not divisible by the tensor-parallel size ({tp_size})"
+        )
+    if attn_mask_type not in CAUSAL_MASK_TYPES:
+        raise ValueError(f"DualKVAttention is causal; got attn_mask_type={attn_mask_type}")
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        raise ValueError(f"DualKVAttention has no attention dropout; set attention_dropout=0 (got {dropout})")
+    if config.softmax_type != "vanilla":
+        raise ValueError(f"DualKVAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+    if config.context_parallel_size != 1:
+        raise NotImplementedError("DualKVAttention does not split the packed layout across context-parallel ranks yet")
+
+
+def _left_window(config: TransformerConfig, layer_number: int) -> Optional[int]:
+    """Megatron's ``window_size=(left, right)`` (keys ``q-left..q+right``) as a DualKV window.
+
+    DualKV sees a key when ``pos(q) - pos(k) < window``, so ``window = left + 1``; ``left=-1``
+    means unbounded. A right window would look ahead, which causal attention never does.
+    """
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    left, right = config.window_size
+    if right != 0:
+        raise ValueError(f"DualKVAttention is causal: window_size right part must be 0, got {config.window_size}")
+    return None if left < 0 else left + 1

@@ -1,0 +1,60 @@
+"""Layer specs: Megatron-Core's own GPT block specs with ``DualKVAttention`` as core attention.
+
+Everything else (linears, norms, MLP or MoE, the dense/MoE layer pattern of
+``config.moe_layer_freq``, the layers of this pipeline stage) is whatever Megatron's
+``get_gpt_decoder_block_spec`` builds from the ``TransformerConfig``; only the core-attention
+submodule is swapped, through ``ModuleSpec`` copies, never by patching Megatron.
+
+* ``dualkv_local_block_spec``: torch-native modules (ColumnParallelLinear, torch RMSNorm,
+  SequentialMLP experts, or legacy GroupedMLP when the grouped_gemm package is installed);
+  runs on CPU and GPU.
+* ``dualkv_te_block_spec``: Transformer Engine linears and norms (LayerNorm fused into the QKV
+  and FC1 linears, TEGroupedMLP experts); only when transformer_engine imports.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from typing import Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .attention import DualKVAttention
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def dualkv_local_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Megatron's local (torch-native) GPT block spec with DualKV core attention."""
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=config.normalization, vp_stage=vp_stage
+    )
+    # Megatron's local block picks apex FusedLayerNorm for the final norm whenever apex imports,
+    # and FusedLayerNorm rejects RMSNorm; the torch norm follows config.normalization.
+    return _with_dualkv_attention(replace(block, layer_norm=WrappedTorchNorm))
+
+
+def dualkv_te_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Megatron's Transformer Engine GPT block spec with DualKV core attention."""
+    if not transformer_engine_available():
+        raise ImportError("dualkv_te_block_spec needs transformer_engine; use dualkv_local_block_spec without it")
+    return _with_dualkv_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage))
+
+
+def _with_dualkv_attention(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
+    return replace(block, layer_specs=[_layer_with_dualkv_attention(spec) for spec in block.layer_specs])
+
+
+def _layer_with_dualkv_attention(layer: ModuleSpec) -> ModuleSpec:
+    attention = layer.submodules.self_attention
+    if attention.module is not SelfAttention:
+        raise ValueError(f"DualKV layer specs replace the core attention of SelfAttention, got {attention.module.__name__}")
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=DualKVAttention))
+    return replace(layer, submodules=replace(layer.submodules, self_attention=attention))

@@ -1,0 +1,177 @@
+"""GRPO and DAPO policy losses on the packed layout's response tokens.
+
+Every tensor is flat over response tokens (order: ``ResponseTokens``); advantages are one per
+response. Per token ``t`` of response ``i`` with advantage ``A_i``:
+
+    ratio_t   = exp(logp_t - old_logp_t)
+    pg_t      = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
+    kl_t      = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (k3 estimator, when ref given)
+    loss_t    = pg_t + kl_coef * kl_t
+
+GRPO: symmetric clip, optional KL, "sequence-mean" aggregation (mean over each response's
+tokens, then over the micro-batch's responses). DAPO: asymmetric clip (eps_high > eps_low,
+"clip-higher"), no KL by default, "token-mean" aggregation (all response tokens of the
+micro-batch weigh the same, so long responses are not down-weighted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from .responses import ResponseTokens
+
+AGGREGATIONS = ("sequence-mean", "token-mean")
+
+
+@dataclass
+class PolicyLossOutput:
+    """loss: scalar to backpropagate; metrics: name -> per group an (N_g,) tensor, one value per response.
+
+    Metrics (detached): ``loss`` (mean token loss), ``ratio_mean``, ``clip_fraction`` (share of
+    tokens whose clipped term is the active one), ``advantage``, and ``kl`` when reference
+    log-probs were given.
+    """
+
+    loss: Tensor
+    metrics: Dict[str, List[Tensor]]
+
+
+class PolicyLoss(Protocol):
+    """What ``forward_backward`` needs from a loss (``GRPOLoss`` and ``DAPOLoss`` are ones)."""
+
+    def advantages(self, rewards: Sequence[Tensor]) -> Tensor:
+        """Per-group rewards -> flat (num_responses,) advantages."""
+
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, tokens: ResponseTokens,
+                 ref_logprobs: Optional[Tensor] = None) -> PolicyLossOutput:
+        """Flat response-token tensors (order: ``ResponseTokens``) -> loss and per-response metrics."""
+
+
+def group_normalized_advantages(rewards: Sequence[Tensor], eps: float = 1e-6) -> Tensor:
+    """GRPO advantages: per group ``(r - mean) / (std + eps)`` -> flat (num_responses,) float32.
+
+    ``std`` is the unbiased sample std (torch.std, as TRL and verl use); a group of one response
+    has no contrast and gets advantage 0.
+    """
+    if rewards is None:
+        raise ValueError("advantages need rewards: pack the groups with RolloutGroup.rewards, or pass advantages")
+    out = []
+    for r in rewards:
+        r = torch.as_tensor(r, dtype=torch.float32)
+        if r.numel() == 1:
+            out.append(torch.zeros(1))
+        else:
+            out.append((r - r.mean()) / (r.std() + eps))
+    return torch.cat(out)
+
+
+def clipped_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    tokens: ResponseTokens,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    aggregation: str,
+    ref_logprobs: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+) -> PolicyLossOutput:
+    """The clipped surrogate of the module docstring; shared by ``GRPOLoss`` and ``DAPOLoss``."""
+    _check_inputs(logprobs, old_logprobs, advantages, tokens, aggregation, ref_logprobs, kl_coef)
+    device = logprobs.device
+    token_advantage = advantages.to(device, torch.float32)[tokens.response_id.to(device)]
+    ratio = torch.exp(logprobs - old_logprobs.to(device))
+    clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    unclipped_term, clipped_term = ratio * token_advantage, clipped_ratio * token_advantage
+    token_loss = -torch.minimum(unclipped_term, clipped_term)
+    metrics = {
+        "ratio_mean": tokens.response_mean(ratio.detach()),
+        "clip_fraction": tokens.response_mean((clipped_term < unclipped_term).float()),
+        "advantage": advantages.detach().float().to(device),
+    }
+    if ref_logprobs is not None:
+        log_ref_ratio = ref_logprobs.to(device) - logprobs
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        token_loss = token_loss + kl_coef * kl
+        metrics["kl"] = tokens.response_mean(kl.detach())
+    metrics["loss"] = tokens.response_mean(token_loss.detach())
+    if aggregation == "token-mean":
+        loss = token_loss.mean()
+    else:
+        loss = tokens.response_mean(token_loss).mean()
+    return PolicyLossOutput(loss, {name: tokens.split_groups(value) for name, value in metrics.items()})
+
+
+class _GroupRelativeClippedLoss:
+    """What GRPOLoss and DAPOLoss share: advantages from group rewards, the clipped surrogate."""
+
+    clip_range: tuple  # (eps_low, eps_high), provided by the subclass
+    aggregation: str
+    kl_coef: float
+    advantage_eps: float
+
+    def __post_init__(self):
+        low, high = self.clip_range
+        if not (0.0 <= low < 1.0 and high >= 0.0):
+            raise ValueError(f"{type(self).__name__}: clip eps must satisfy 0 <= eps_low < 1 and eps_high >= 0, got {self.clip_range}")
+        if self.kl_coef < 0 or self.advantage_eps < 0:
+            raise ValueError(f"{type(self).__name__}: kl_coef and advantage_eps must be >= 0")
+
+    def advantages(self, rewards: Sequence[Tensor]) -> Tensor:
+        """Flat (num_responses,) group-normalised advantages of per-group rewards."""
+        return group_normalized_advantages(rewards, self.advantage_eps)
+
+    def __call__(
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, tokens: ResponseTokens,
+        ref_logprobs: Optional[Tensor] = None,
+    ) -> PolicyLossOutput:
+        low, high = self.clip_range
+        return clipped_policy_loss(
+            logprobs, old_logprobs, advantages, tokens, low, high, self.aggregation, ref_logprobs, self.kl_coef
+        )
+
+
+@dataclass(frozen=True)
+class GRPOLoss(_GroupRelativeClippedLoss):
+    """GRPO: group-normalised advantages, symmetric ratio clip, optional k3 KL to a reference policy,
+    sequence-mean then batch-mean aggregation (``aggregation="token-mean"`` is available)."""
+
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    advantage_eps: float = 1e-6
+    aggregation: str = "sequence-mean"
+
+    @property
+    def clip_range(self):
+        return self.clip_eps, self.clip_eps
+
+
+@dataclass(frozen=True)
+class DAPOLoss(_GroupRelativeClippedLoss):
+    """DAPO: group-normalised advantages, asymmetric clip (clip-higher), token-level aggregation."""
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    kl_coef: float = 0.0
+    advantage_eps: float = 1e-6
+    aggregation: ClassVar[str] = "token-mean"
+
+    @property
+    def clip_range(self):
+        return self.clip_eps_low, self.clip_eps_high
+
+
+def _check_inputs(logprobs, old_logprobs, advantages, tokens, aggregation, ref_logprobs, kl_coef) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    n = tokens.num_tokens
+    for name, value in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if value is not None and value.shape != (n,):
+            raise ValueError(f"{name} must be flat over the {n} response tokens, got shape {tuple(value.shape)}")
+    if advantages.shape != (tokens.num_responses,):
+        raise ValueError(f"advantages must have one value per response ({tokens.num_responses}), got shape {tuple(advantages.shape)}")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")

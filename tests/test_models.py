@@ -1,0 +1,208 @@
+"""Model cards (models/) and build_model (megatron_dualkv.models)."""
+import json
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+from megatron_dualkv.mcore import DualKVAttention, ParallelSizes, dualkv_local_block_spec, dualkv_te_block_spec
+from megatron_dualkv.mcore.layer_specs import transformer_engine_available
+from megatron_dualkv.mcore.parallel import check_world_fits
+from megatron_dualkv.models import FAMILIES, ModelCard, available_cards, build_model, build_transformer_config, load_card
+
+NOT_ARCHITECTURE = {"name", "source", "model_type", "torch_dtype", "rope_theta", "rope_scaling"}
+
+
+def config_of(card, **overrides):
+    card = load_card(card)
+    return build_transformer_config(card, FAMILIES[card.model_type], ParallelSizes(), torch.float32, False, overrides)
+
+
+def model_kwargs_of(card):
+    card = load_card(card)
+    return FAMILIES[card.model_type].gpt_model_kwargs(card)
+
+
+def test_every_model_has_a_card():
+    assert {"qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"} <= set(available_cards())
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"])
+def test_cards_are_hugging_face_configs(name):
+    """Every architecture field is read back unchanged by transformers' own config class (so the
+    names are the real ones), and the RoPE base survives transformers 5's rope_parameters."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    card = load_card(name)
+    cls = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[card.model_type]
+    hf = cls(**{k: v for k, v in card.config.items() if k not in ("name", "source", "model_type")})
+    for key, value in card.config.items():
+        if key not in NOT_ARCHITECTURE:
+            assert getattr(hf, key) == value, key
+    assert hf.rope_parameters["rope_theta"] == card.config["rope_theta"]
+    # a config.json written by transformers 5 (rope_parameters, num_local_experts) builds the same model
+    saved = ModelCard(name, json.loads(hf.to_json_string()))
+    assert comparable(config_of(saved)) == comparable(config_of(card))
+    assert model_kwargs_of(saved) == model_kwargs_of(card)
+
+
+def comparable(config):
+    """TransformerConfig fields, init methods (fresh functools.partial objects) by their std."""
+    return {k: getattr(v, "keywords", v) for k, v in vars(config).items()}
+
+
+def test_qwen3_8b_architecture():
+    c = config_of("qwen3-8b")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels, c.ffn_hidden_size) == (
+        36, 4096, 32, 8, 128, 12288)
+    assert (c.normalization, c.layernorm_epsilon, c.qk_layernorm, c.gated_linear_unit) == ("RMSNorm", 1e-6, True, True)
+    assert c.activation_func is torch.nn.functional.silu and not c.add_bias_linear and not c.add_qkv_bias
+    assert c.num_moe_experts is None and c.window_size is None
+    assert model_kwargs_of("qwen3-8b") == dict(
+        vocab_size=151936, max_sequence_length=40960, position_embedding_type="rope", rotary_base=1e6,
+        share_embeddings_and_output_weights=False)
+
+
+def test_qwen3_30b_a3b_architecture():
+    c = config_of("qwen3-30b-a3b")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels) == (48, 2048, 32, 4, 128)
+    assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (128, 8, 768)
+    assert c.moe_layer_freq == [1] * 48 and c.moe_shared_expert_intermediate_size is None
+    # norm_topk_prob=True: softmax over the top-k logits == renormalised top-k of the full softmax
+    assert c.moe_router_score_function == "softmax" and c.moe_router_pre_softmax is False
+    assert c.moe_token_dispatcher_type == "alltoall" and c.moe_aux_loss_coeff == 0.001
+    assert not c.moe_grouped_gemm, "no grouped_gemm package here: SequentialMLP experts"
+    assert model_kwargs_of("qwen3-30b-a3b")["vocab_size"] == 151936
+    assert model_kwargs_of("qwen3-30b-a3b")["rotary_base"] == 1e6
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_megatron_router_matches_qwen3_moe_routing(norm_topk_prob):
+    """Qwen3MoeTopKRouter: softmax over all experts, top-k, renormalise when norm_topk_prob."""
+    logits = torch.randn(11, 8, generator=torch.Generator().manual_seed(0))
+    probs, routing_map = topk_routing_with_score_function(logits, 3, use_pre_softmax=not norm_topk_prob)
+    top, index = torch.softmax(logits, -1).topk(3, dim=-1)
+    if norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    want = torch.zeros_like(logits).scatter(1, index, top)
+    torch.testing.assert_close(probs, want)
+    assert torch.equal(routing_map, want > 0)
+
+
+def card_with(base, **fields):
+    card = load_card(base)
+    return ModelCard("custom", {**card.config, **fields})
+
+
+def test_moe_layer_pattern_follows_mlp_only_layers_and_sparse_step():
+    card = card_with("qwen3-moe-tiny", num_hidden_layers=6, mlp_only_layers=[0], decoder_sparse_step=2)
+    assert config_of(card).moe_layer_freq == [0, 1, 0, 1, 0, 1]
+
+
+def test_sliding_window_layers():
+    card = card_with("qwen3-tiny", num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    c = config_of(card)
+    assert c.window_size == (7, 0) and c.window_attn_skip_freq == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), NotImplementedError, "RoPE scaling 'yarn'"),
+        (dict(hidden_act="gelu"), ValueError, "SwiGLU"),
+        (dict(hidden_size=None), ValueError, "lacks the required field 'hidden_size'"),
+    ],
+)
+def test_bad_cards(fields, error, message):
+    card = card_with("qwen3-tiny", **fields)
+    if fields.get("hidden_size", 0) is None:
+        del card.config["hidden_size"]
+    with pytest.raises(error, match=message):
+        config_of(card)
+        model_kwargs_of(card)
+
+
+def test_hf_config_json_path(tmp_path):
+    folder = tmp_path / "Qwen3-Tiny-Instruct"
+    folder.mkdir()
+    config = {k: v for k, v in load_card("qwen3-tiny").config.items() if k not in ("name", "source")}
+    (folder / "config.json").write_text(json.dumps(config))
+    card = load_card(folder / "config.json")
+    assert card.name == "Qwen3-Tiny-Instruct" and card.config == config
+    assert same_weights(build_model(str(folder / "config.json")), build_model("qwen3-tiny"))
+
+
+def test_built_models_use_dualkv_attention_and_the_card_architecture():
+    dense, moe = (build_model(card, use_transformer_engine=False) for card in ("qwen3-tiny", "qwen3-moe-tiny"))
+    for model in (dense, moe):
+        layers = model.decoder.layers
+        assert len(layers) == 2
+        assert all(type(layer.self_attention.core_attention) is DualKVAttention for layer in layers)
+        assert isinstance(layers[0].input_layernorm, torch.nn.RMSNorm)
+        assert isinstance(layers[0].self_attention.q_layernorm, torch.nn.RMSNorm)
+        assert isinstance(model.decoder.final_layernorm, torch.nn.RMSNorm)
+        assert model.output_layer.weight is not model.embedding.word_embeddings.weight
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    experts = moe.decoder.layers[0].mlp.experts
+    assert type(experts).__name__ == "SequentialMLP" and len(experts.local_experts) == 8
+    assert moe.decoder.layers[0].mlp.router.topk == 2
+
+
+def same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_same_seed_same_weights():
+    a, b, c = build_model("qwen3-tiny", seed=3), build_model("qwen3-tiny", seed=3), build_model("qwen3-tiny", seed=4)
+    assert same_weights(a, b) and not same_weights(a, c)
+
+
+def test_overrides_and_dtype():
+    model = build_model("qwen3-tiny", dtype=torch.bfloat16, num_layers=1, moe_aux_loss_coeff=0.0)
+    assert len(model.decoder.layers) == 1 and model.output_layer.weight.dtype == torch.bfloat16
+    assert model.config.bf16
+
+
+def test_mixed_dense_and_moe_spec():
+    c = config_of(card_with("qwen3-moe-tiny", num_hidden_layers=3, mlp_only_layers=[1]))
+    layers = dualkv_local_block_spec(c).layer_specs
+    assert [spec.submodules.mlp.module.__name__ for spec in layers] == ["MoELayer", "MLP", "MoELayer"]
+    assert all(spec.submodules.self_attention.submodules.core_attention is DualKVAttention for spec in layers)
+
+
+@pytest.mark.skipif(transformer_engine_available(), reason="checks the error without Transformer Engine")
+def test_te_spec_needs_transformer_engine():
+    with pytest.raises(ImportError, match="transformer_engine"):
+        dualkv_te_block_spec(config_of("qwen3-tiny"))
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        (("no-such-model",), {}, ValueError, "unknown model card 'no-such-model'"),
+        (("qwen3-tiny",), dict(num_layer=1), ValueError, "did you mean num_layers"),
+        (("qwen3-tiny",), dict(tp=3), ValueError, r"num_attention_heads \(4\) must be a multiple of tensor_model_parallel_size \(3\)"),
+        (("qwen3-tiny",), dict(tp=2), ValueError, "already initialised with ParallelSizes.tp=1"),
+        (("qwen3-tiny",), dict(pp=2), NotImplementedError, "pipeline parallelism"),
+        (("qwen3-tiny",), dict(cp=2), NotImplementedError, "context-parallel"),
+        (("qwen3-tiny",), dict(tp=0), ValueError, "tp must be a positive int"),
+        (("qwen3-tiny",), dict(dtype=torch.int8), ValueError, "dtype must be one of"),
+    ],
+)
+def test_bad_build_arguments(args, kwargs, error, message):
+    build_model("qwen3-tiny")  # parallel state of this process: tp=1
+    with pytest.raises(error, match=message):
+        build_model(*args, **kwargs)
+
+
+def test_a_world_too_small_for_the_sizes():
+    with pytest.raises(ValueError, match="this world has 1 process"):
+        check_world_fits(ParallelSizes(tp=2), 1)
+    check_world_fits(ParallelSizes(tp=2, ep=2), 4)
+
+
+def test_vocab_must_split_over_tp(tmp_path):
+    path = tmp_path / "odd-vocab.json"
+    path.write_text(json.dumps({**load_card("qwen3-tiny").config, "vocab_size": 255}))
+    with pytest.raises(ValueError, match=r"vocab_size \(255\) is not divisible by tp \(2\)"):
+        build_model(path, tp=2)

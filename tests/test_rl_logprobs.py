@@ -1,0 +1,151 @@
+"""Response-token log-probs: vocab-parallel math, the indexing against a hand computation, the
+packed layout against the replicated oracle (dense and MoE), tensor and expert parallelism."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from megatron_dualkv import pack_groups
+from megatron_dualkv.mcore import DualKVPackedSeqParams
+from megatron_dualkv.models import build_model
+from megatron_dualkv.rl import forward_logprobs, response_logprobs, vocab_parallel_logprobs
+from rollouts import make_batch, max_abs_diff
+from strategies import rollout_groups
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return build_model("qwen3-tiny")
+
+
+@pytest.fixture(scope="module")
+def moe():
+    # exact MoE comparison: fp32, no token dropping (Megatron's default), no load-balancing loss
+    return build_model("qwen3-moe-tiny", moe_aux_loss_coeff=0.0)
+
+
+def test_vocab_parallel_logprobs_on_one_rank():
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(6, 50, generator=g, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 50, (6,), generator=g)
+    logprobs, entropy = vocab_parallel_logprobs(logits, targets, None, with_entropy=True)
+    log_softmax = torch.log_softmax(logits.double(), -1)
+    torch.testing.assert_close(logprobs, log_softmax[torch.arange(6), targets])
+    torch.testing.assert_close(entropy, -(log_softmax.exp() * log_softmax).sum(-1))
+    assert vocab_parallel_logprobs(logits, targets)[1] is None
+
+
+def test_indexing_against_a_hand_computation(dense):
+    """Token j of a response is predicted by the logits one position earlier in its own sequence:
+    the group's last prompt token for j = 0, the response's previous token otherwise."""
+    batch = make_batch()
+    with torch.no_grad():
+        params = DualKVPackedSeqParams.from_layout(batch.layout)
+        logits = dense(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params)[0].double()
+        got = forward_logprobs(dense, batch)
+    start = 0
+    for g, (p, rs) in enumerate(zip(batch.layout.prompt_lens, batch.layout.response_lens)):
+        last_prompt, response_start = start + p - 1, start + p
+        for i, r in enumerate(rs):
+            assert got[g][i].shape == (r,) and got[g][i].dtype == torch.float32
+            for j in range(r):
+                predictor = last_prompt if j == 0 else response_start + j - 1
+                want = torch.log_softmax(logits[predictor], -1)[batch.tokens[response_start + j]]
+                assert abs(got[g][i][j].item() - want.item()) < 1e-5, (g, i, j)
+            response_start += r
+        start = response_start
+
+
+@given(rollout_groups(max_groups=4, max_prompt=10, max_responses=4, max_response=8, vocab=256))
+@settings(max_examples=12, deadline=None)
+def test_packed_equals_replicated_dense(dense, groups):
+    batch = pack_groups(groups, pad_to_multiple_of=8)
+    with torch.no_grad():
+        packed, packed_entropy = response_logprobs(dense, batch, "packed", with_entropy=True)
+        replicated, replicated_entropy = response_logprobs(dense, batch, "replicated", with_entropy=True)
+    torch.testing.assert_close(packed, replicated, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(packed_entropy, replicated_entropy, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_packed_equals_replicated_moe(moe, seed):
+    batch = make_batch(seed=seed)
+    with torch.no_grad():
+        packed = forward_logprobs(moe, batch)
+        replicated = forward_logprobs(moe, batch, layout="replicated")
+    assert max_abs_diff(packed, replicated) < 2e-6
+
+
+def test_bad_input(dense):
+    batch = make_batch()
+    with pytest.raises(ValueError, match="layout must be one of"):
+        forward_logprobs(dense, batch, layout="shared")
+    with pytest.raises(ValueError, match="expected a PackedBatch"):
+        forward_logprobs(dense, batch.replicated())
+    with pytest.raises(ValueError, match=r"token id \d+ is outside the model.s vocabulary of 256"):
+        forward_logprobs(dense, make_batch(vocab=301, seed=3))
+
+
+two_cpu_ranks = pytest.mark.skipif(torch.cuda.is_available(), reason="two gloo ranks on the CPU")
+
+
+def run_two_ranks(scenario, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(TESTS, "distributed_worker.py"), scenario, str(tmp_path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    for proc in procs:
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output[-3000:]
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+
+
+@two_cpu_ranks
+def test_tensor_parallel_matches_one_rank(dense, tmp_path):
+    """tp=2 (same seed, so the same full weights): log-probs, GRPO gradients of a replicated and a
+    vocab-split parameter, and vocab_parallel_logprobs against the full-vocabulary softmax."""
+    from distributed_worker import fixed_logits_and_targets
+    from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward
+    from rollouts import perturbed
+
+    ranks = run_two_ranks("tp2", tmp_path)
+    batch = make_batch()
+    packed = forward_logprobs(dense, batch)
+    dense.zero_grad(set_to_none=True)
+    forward_backward(dense, [RLMicroBatch(batch, old_logprobs=perturbed(packed, 0.05))], GRPOLoss())
+    for result in ranks:
+        assert max_abs_diff(result["packed"], packed) < 2e-6
+        assert max_abs_diff(result["replicated"], packed) < 2e-6
+        torch.testing.assert_close(result["final_norm_grad"], dense.decoder.final_layernorm.weight.grad, rtol=1e-4, atol=1e-6)
+    output_grad = torch.cat([r["output_grad"] for r in ranks])
+    torch.testing.assert_close(output_grad, dense.output_layer.weight.grad, rtol=1e-4, atol=1e-6)
+    dense.zero_grad(set_to_none=True)
+
+    logits, targets = fixed_logits_and_targets()
+    logits.requires_grad_()
+    logprobs, entropy = vocab_parallel_logprobs(logits, targets, None, with_entropy=True)
+    (logprobs.sum() + 0.5 * entropy.sum()).backward()
+    for result in ranks:
+        torch.testing.assert_close(result["vocab_logprobs"], logprobs)
+        torch.testing.assert_close(result["vocab_entropy"], entropy)
+    torch.testing.assert_close(torch.cat([r["vocab_grad"] for r in ranks], dim=1), logits.grad)
+
+
+@two_cpu_ranks
+def test_expert_parallel_packed_equals_replicated(tmp_path):
+    """ep=2 over gloo: the alltoall dispatcher exchanges tokens between ranks (each holds 4 experts)."""
+    for result in run_two_ranks("ep2", tmp_path):
+        assert max_abs_diff(result["packed"], result["replicated"]) < 2e-6

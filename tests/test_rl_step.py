@@ -1,0 +1,136 @@
+"""forward_backward (megatron_dualkv.rl.step): the packed layout against the replicated oracle
+through Megatron's schedule, for the tiny dense and MoE models."""
+import pytest
+import torch
+
+from megatron_dualkv.models import build_model
+from megatron_dualkv.rl import DAPOLoss, GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs
+from rollouts import make_batch, max_abs_diff, perturbed
+
+SHAPES = [
+    [(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1])],
+    [(3, [1]), (9, [2, 7, 3, 1]), (2, [4])],
+]
+
+
+@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-moe-tiny"])
+def model(request):
+    # exact MoE comparison: fp32, no token dropping (Megatron's default), no load-balancing loss,
+    # whose token statistics differ between layouts (packed prompts count once, not N times)
+    return build_model(request.param, moe_aux_loss_coeff=0.0)
+
+
+def micro_batches(model):
+    """Two micro-batches with behaviour and reference log-probs near the model's own."""
+    out = []
+    for seed, shapes in enumerate(SHAPES):
+        batch = make_batch(shapes, seed=seed)
+        with torch.no_grad():
+            current = forward_logprobs(model, batch)
+        out.append(RLMicroBatch(batch, perturbed(current, 0.3, seed), perturbed(current, 0.1, seed + 10)))
+    return out
+
+
+def run(model, batches, loss_fn, layout):
+    model.zero_grad(set_to_none=True)
+    outputs = forward_backward(model, batches, loss_fn, layout=layout, with_entropy=True)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return outputs, grads
+
+
+@pytest.mark.parametrize("loss_fn", [GRPOLoss(clip_eps=0.2, kl_coef=0.05), DAPOLoss()], ids=["grpo", "dapo"])
+def test_packed_equals_replicated(model, loss_fn):
+    batches = micro_batches(model)
+    packed, packed_grads = run(model, batches, loss_fn, "packed")
+    replicated, replicated_grads = run(model, batches, loss_fn, "replicated")
+    for p, r in zip(packed, replicated):
+        assert max_abs_diff(p.logprobs, r.logprobs) < 2e-6
+        assert max_abs_diff(p.entropy, r.entropy) < 2e-6
+        torch.testing.assert_close(p.loss, r.loss, rtol=1e-5, atol=1e-6)
+        for name in p.metrics:
+            torch.testing.assert_close(torch.cat(p.metrics[name]), torch.cat(r.metrics[name]), rtol=1e-5, atol=1e-6)
+    assert packed_grads.keys() == replicated_grads.keys() == {n for n, _ in model.named_parameters()}
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(grad, replicated_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert any(g.abs().max() > 0 for g in packed_grads.values())
+
+
+def test_gradient_is_the_mean_over_micro_batches_of_the_loss(model):
+    """What the schedule backpropagates: (loss_1 + loss_2) / 2 of the loss on forward_logprobs."""
+    batches, loss_fn = micro_batches(model), GRPOLoss(clip_eps=0.2, kl_coef=0.05)
+    outputs, grads = run(model, batches, loss_fn, "packed")
+    total = 0
+    for mb, out in zip(batches, outputs):
+        tokens = ResponseTokens.from_layout(mb.batch.layout)
+        logprobs = tokens.flatten(forward_logprobs(model, mb.batch))
+        result = loss_fn(logprobs, tokens.flatten(mb.old_logprobs), loss_fn.advantages(mb.batch.rewards), tokens,
+                         tokens.flatten(mb.ref_logprobs))
+        torch.testing.assert_close(out.loss, result.loss.detach())
+        total = total + result.loss / len(batches)
+    total.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    model.zero_grad(set_to_none=True)
+
+
+def test_forward_only_collects_logprobs_without_gradients(model):
+    batches = [RLMicroBatch(mb.batch) for mb in micro_batches(model)]
+    outputs = forward_backward(model, batches)
+    for mb, out in zip(batches, outputs):
+        assert max_abs_diff(out.logprobs, forward_logprobs(model, mb.batch)) < 1e-6
+        assert out.loss is None and out.entropy is None and not out.logprobs[0][0].requires_grad
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_given_advantages_replace_the_rewards(model):
+    mb = micro_batches(model)[0]
+    advantages = torch.linspace(-1, 1, mb.batch.layout.num_responses)
+    out = forward_backward(model, [RLMicroBatch(mb.batch, mb.old_logprobs, advantages=advantages)], GRPOLoss())[0]
+    assert torch.cat(out.metrics["advantage"]).tolist() == pytest.approx(advantages.tolist())
+    model.zero_grad(set_to_none=True)
+
+
+def test_bad_input(model):
+    mb = micro_batches(model)[0]
+    with pytest.raises(ValueError, match="needs the micro-batch's old_logprobs"):
+        forward_backward(model, [RLMicroBatch(mb.batch)], GRPOLoss())
+    other = micro_batches(model)[1]
+    with pytest.raises(ValueError, match="old_logprobs: group 0 has 1 responses, the batch has 3"):
+        forward_backward(model, [RLMicroBatch(mb.batch, other.old_logprobs)], GRPOLoss())
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        forward_backward(model, [RLMicroBatch(mb.batch, mb.old_logprobs)], GRPOLoss(kl_coef=0.1))
+    with pytest.raises(ValueError, match="micro-batches must be RLMicroBatch items, got PackedBatch"):
+        forward_backward(model, [mb.batch], GRPOLoss())
+    with pytest.raises(ValueError, match="no micro-batches"):
+        forward_backward(model, [])
+    model.zero_grad(set_to_none=True)
+
+
+def test_megatron_ddp_and_optimizer_loop():
+    """The README's loop: Megatron DDP, Megatron optimizer, GRPO on packed micro-batches. On-policy
+    GRPO raises the log-prob of the rewarded response of a group and lowers the other's."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_dualkv import RolloutGroup, pack_groups
+
+    model = build_model("qwen3-tiny", seed=11)
+    config = model.config
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
+    groups = [RolloutGroup([1, 2, 3], [[4, 5], [6, 7, 8]], rewards=[1.0, 0.0]),
+              RolloutGroup([9], [[10], [11, 12]], rewards=[0.0, 1.0])]
+    micro_batches = [pack_groups(groups[:1], pad_to_multiple_of=8), pack_groups(groups[1:], pad_to_multiple_of=8)]
+    before = [forward_logprobs(ddp, b) for b in micro_batches]
+    for _ in range(3):
+        with torch.no_grad():
+            old = [forward_logprobs(ddp, b) for b in micro_batches]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(ddp, [RLMicroBatch(b, old_logprobs=o) for b, o in zip(micro_batches, old)], GRPOLoss())
+        assert optimizer.step()[0]
+    after = [forward_logprobs(ddp, b) for b in micro_batches]
+    change = [[(a.sum() - b.sum()).item() for a, b in zip(ga[0], gb[0])] for ga, gb in zip(after, before)]
+    assert change[0][0] > 0 > change[0][1] and change[1][1] > 0 > change[1][0], change
