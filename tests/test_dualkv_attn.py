@@ -12,7 +12,7 @@ from strategies import rollout_groups
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests; GPU has its own module")
 
 
-def run_both(layout, hq, hkv, d, window=None, softcap=None, scale=None, seed=0):
+def run_both(layout, hq, hkv, d, window=None, softcap=None, scale=None, seed=0, deterministic=False):
     """Kernel (float32) and reference (float64) outputs and q/k/v gradients for one random input."""
     g = torch.Generator().manual_seed(seed)
     T = layout.total_tokens
@@ -21,7 +21,7 @@ def run_both(layout, hq, hkv, d, window=None, softcap=None, scale=None, seed=0):
     results = []
     for dtype, backend in ((torch.float32, "triton"), (torch.float64, "reference")):
         x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        out = dualkv_attn_func(*x, layout, scale, window, softcap, backend=backend)
+        out = dualkv_attn_func(*x, layout, scale, window, softcap, deterministic, backend=backend)
         results.append((out, *torch.autograd.grad(out, x, dout.to(dtype))))
     return results
 
@@ -40,11 +40,12 @@ def assert_matches(got, want, tol=2e-5):
     st.one_of(st.none(), st.integers(1, 40)),
     st.one_of(st.none(), st.floats(1.0, 10.0)),
     st.sampled_from([1, 16]),
+    st.booleans(),
 )
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_kernels_match_reference(groups, heads, d, window, softcap, multiple):
+def test_kernels_match_reference(groups, heads, d, window, softcap, multiple, deterministic):
     layout = pack_groups(groups, pad_to_multiple_of=multiple).layout
-    got, want = run_both(layout, *heads, d, window, softcap, scale=0.9 / d**0.5)
+    got, want = run_both(layout, *heads, d, window, softcap, scale=0.9 / d**0.5, deterministic=deterministic)
     assert_matches(got, want)
 
 
@@ -60,13 +61,14 @@ def test_many_groups_with_p1_and_r1_and_split_key_tiles():
     block = kernel_config("dkdv", 16, layout.device)
     _, reduce, slots = key_items(layout, block.block_n, block.block_m, 1, 4)
     assert reduce.shape[0] > 0 and slots > reduce.shape[0], "the layout should exercise chunked key tiles"
-    got, want = run_both(layout, 2, 1, 16, window=9, softcap=5.0)
-    assert_matches(got, want)
+    for deterministic in (False, True):
+        got, want = run_both(layout, 2, 1, 16, window=9, softcap=5.0, deterministic=deterministic)
+        assert_matches(got, want)
 
 
 def test_gradients_are_bitwise_reproducible():
     layout = DualKVLayout((40, 9), ((30, 2), (12,)))
-    first, second = run_both(layout, 4, 1, 16, seed=3)[0], run_both(layout, 4, 1, 16, seed=3)[0]
+    first, second = (run_both(layout, 4, 1, 16, seed=3, deterministic=True)[0] for _ in range(2))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 

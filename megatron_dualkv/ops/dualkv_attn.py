@@ -12,9 +12,11 @@ One launch per micro-batch covers every group. Work is described by host-built t
   queries, then every response of the group, since responses follow their prompt) and
   ``[k_start, end of segment)`` for a response tile. Prompt tiles therefore receive work from
   P + sum(R_i) queries and response tiles from R_i: long ranges are split into chunks, each
-  writing an fp32 partial, reduced afterwards in a fixed order, so gradients are bitwise
-  reproducible and the grid stays full. GQA is reduced inside the program (loop over the query
-  heads of the key/value head): no expanded K/V, no expanded dK/dV.
+  writing an fp32 partial, reduced afterwards in a fixed order, so the grid stays full and dK/dV
+  are bitwise reproducible. GQA is reduced inside the program (loop over the query heads of the
+  key/value head): no expanded K/V, no expanded dK/dV. By default the same pass adds each block's
+  dQ to an fp32 buffer with atomics; ``deterministic=True`` computes dQ in its own pass per query
+  tile instead (recomputing the scores: 7 matmuls per block pair instead of 5).
 
 Math (per query row i, key j, log2 domain; c = softcap, s = softmax scale):
     x_ij  = s * q_i . k_j
@@ -291,15 +293,17 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, TILES, stride_qt, stride_qh, str
 
 
 @triton.jit
-def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_head_off, do_head_off, lse_head_off, POS,
-                stride_qt, stride_dot, lo, hi, k_start, window, qk_scale, softcap, offs_m, offs_d, d_mask,
-                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                EVEN_D: tl.constexpr):
+def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_head_off, do_head_off,
+                lse_head_off, dq_head_off, POS, stride_qt, stride_dot, stride_dqt, lo, hi, k_start, window, qk_scale,
+                softcap, offs_m, offs_d, d_mask, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, FUSE_DQ: tl.constexpr):
     """dk, dv (N, D) += contributions of queries [lo, hi) of one query head.
 
     Queries of the range belong to the key tile's group; without a window a query sees a key iff
     it comes later in the packed order (responses follow their prompt), so only the diagonal and
     the range end need masks. With a window, positions decide and invisible blocks are skipped.
+    With FUSE_DQ, the block's dq = dx^T k is added to an fp32 accumulator with atomics (5 matmuls
+    per block pair instead of 4 here plus 3 in a separate dQ pass; not bitwise reproducible).
     """
     for start in range(lo, hi, BLOCK_M):
         i = start + offs_m
@@ -327,15 +331,25 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_hea
             if HAS_SOFTCAP:
                 dx = dx * (1.0 - t * t)
             dk += tl.dot(dx.to(q.dtype), q)
+            if FUSE_DQ:
+                dq = tl.dot(tl.trans(dx.to(k.dtype)), k)
+                dq_ptrs = DQ_ACC + dq_head_off + rows[:, None] * stride_dqt + offs_d[None, :]
+                if MASKED:
+                    tl.atomic_add(dq_ptrs, dq, mask=(i < hi)[:, None] & d_mask[None, :], sem="relaxed")
+                elif EVEN_D:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, POS, ITEMS, PARTIAL_DK, PARTIAL_DV, stride_qt, stride_qh,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, POS, ITEMS, PARTIAL_DK, PARTIAL_DV, stride_qt, stride_qh,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh,
                      stride_dvt, stride_dvh, T, sm_scale, qk_scale, softcap, window, NUM_KV_HEADS: tl.constexpr,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     FUSE_DQ: tl.constexpr):
     pid = tl.program_id(0)
     hk = pid % NUM_KV_HEADS
     item = pid // NUM_KV_HEADS
@@ -366,20 +380,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, POS, ITEMS, PARTIAL_DK, PA
     else:
         # every query at or after the tile's last key sees the whole tile
         m1, m2 = _split_range(q_lo, q_hi, k_end - 1, q_hi, BLOCK_M)
+    stride_dqt = NUM_KV_HEADS * GROUP * HEAD_DIM  # DQ_ACC is a contiguous (T, Hq, HEAD_DIM) fp32 buffer
     for g in range(GROUP):
         h = hk * GROUP + g
-        q_off = h * stride_qh
-        do_off = h * stride_doh
-        lse_off = h.to(tl.int64) * T
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_off, do_off, lse_off, POS,
-                             stride_qt, stride_dot, q_lo, m1, k_start, window, qk_scale, softcap, offs_m, offs_d,
-                             d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D)
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_off, do_off, lse_off, POS,
-                             stride_qt, stride_dot, m1, m2, k_start, window, qk_scale, softcap, offs_m, offs_d,
-                             d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D)
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, q_off, do_off, lse_off, POS,
-                             stride_qt, stride_dot, m2, q_hi, k_start, window, qk_scale, softcap, offs_m, offs_d,
-                             d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D)
+        q_off, do_off, lse_off, dq_off = h * stride_qh, h * stride_doh, h.to(tl.int64) * T, h * HEAD_DIM
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, lse_off,
+                             dq_off, POS, stride_qt, stride_dot, stride_dqt, q_lo, m1, k_start, window, qk_scale,
+                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D, FUSE_DQ)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, lse_off,
+                             dq_off, POS, stride_qt, stride_dot, stride_dqt, m1, m2, k_start, window, qk_scale,
+                             softcap, offs_m, offs_d, d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D, FUSE_DQ)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, lse_off,
+                             dq_off, POS, stride_qt, stride_dot, stride_dqt, m2, q_hi, k_start, window, qk_scale,
+                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D, FUSE_DQ)
     dk = dk * sm_scale
     if slot < 0:
         tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -569,7 +582,7 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
 
 
 def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, positions, sm_scale: float,
-         window_size: Optional[int], softcap: Optional[float]):
+         window_size: Optional[int], softcap: Optional[float], deterministic: bool):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
@@ -581,27 +594,34 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     _bwd_delta_kernel[(triton.cdiv(T, 64), Hq)](out, do, delta, out.stride(0), out.stride(1), do.stride(0),
                                                 do.stride(1), T, NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_D=BLOCK_D,
                                                 BLOCK_M=64)
-    dq = torch.empty_like(q)
-    _bwd_dq_kernel[(dq_tiles.shape[0] * Hq,)](
-        q, k, v, do, dq, lse, delta, dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars, NUM_HEADS=Hq,
-        GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
-        num_stages=dq_cfg.num_stages, **common,
-    )
+    if deterministic:
+        dq = torch.empty_like(q)
+        dq_acc = dq  # unused by the dK/dV pass
+        _bwd_dq_kernel[(dq_tiles.shape[0] * Hq,)](
+            q, k, v, do, dq, lse, delta, dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars, NUM_HEADS=Hq,
+            GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
+            num_stages=dq_cfg.num_stages, **common,
+        )
+    else:
+        dq_acc = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
     _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
-        q, k, v, do, dk, dv, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv, BLOCK_M=kv_cfg.block_m,
-        BLOCK_N=kv_cfg.block_n, num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common,
+        q, k, v, do, dk, dv, dq_acc, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0),
+        dk.stride(1), dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv,
+        BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=not deterministic, num_warps=kv_cfg.num_warps,
+        num_stages=kv_cfg.num_stages, **common,
     )
     if kv_reduce.shape[0]:
         _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv,)](
             partial_dk, partial_dv, dk, dv, kv_reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=kv_cfg.block_n,
         )
+    if not deterministic:
+        dq = (dq_acc * sm_scale).to(q.dtype)
     return dq, dk, dv
 
 
@@ -611,13 +631,14 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
 def dualkv_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd_tiles: torch.Tensor,
                        dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor, num_slots: int,
                        positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
-                       softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward tables ride along for autograd."""
+                       softcap: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward's tables and mode ride along for autograd."""
     return _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap)
 
 
 @dualkv_attn_fwd_op.register_fake
-def _(q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap):
+def _(q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap,
+      deterministic):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -625,30 +646,32 @@ def _(q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, s
 def dualkv_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor,
                        num_slots: int, positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
-                       softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq, dk, dv, bitwise reproducible (chunk partials are reduced in a fixed order, no atomics)."""
+                       softcap: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq, dk, dv. dK/dV chunk partials are always reduced in a fixed order; dQ is accumulated with
+    atomics unless ``deterministic`` (then a separate dQ pass: bitwise reproducible, ~40% more matmuls)."""
     return _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
-                softcap)
+                softcap, deterministic)
 
 
 @dualkv_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap):
+def _(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap,
+      deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap = inputs
+    q, k, v, _, dq_tiles, kv_items, kv_reduce, num_slots, positions, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions)
-    ctx.args = (num_slots, sm_scale, window_size, softcap)
+    ctx.num_slots = num_slots
+    ctx.args = args  # sm_scale, window_size, softcap, deterministic
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions = ctx.saved_tensors
-    num_slots, sm_scale, window_size, softcap = ctx.args
-    dq, dk, dv = dualkv_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots,
-                                    positions, sm_scale, window_size, softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    dq, dk, dv = dualkv_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, dq_tiles, kv_items, kv_reduce,
+                                    ctx.num_slots, positions, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
 
 
 dualkv_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -659,8 +682,8 @@ def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
                        softcap: Optional[float] = None, deterministic: bool = False) -> torch.Tensor:
     """Fused DualKV attention. q (T, Hq, D), k/v (T, Hkv, D), D <= 512 -> (T, Hq, D).
 
-    Gradients are bitwise reproducible whatever ``deterministic`` says: the prompt's dK/dV chunk
-    partials are reduced in a fixed order, and dQ is computed per query tile without atomics.
+    ``deterministic=True`` makes gradients bitwise reproducible (dQ in its own pass instead of fp32
+    atomics); the prompt's dK/dV chunk partials are reduced in a fixed order either way.
     """
     sm_scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
     if q.shape[2] > 512:
@@ -669,5 +692,5 @@ def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     layout = layout.to(q.device)
     t = kernel_tables(layout, q.shape[2], k.shape[1])
     out, _ = dualkv_attn_fwd_op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions,
-                                sm_scale, window_size, None if softcap is None else float(softcap))
+                                sm_scale, window_size, None if softcap is None else float(softcap), bool(deterministic))
     return out
