@@ -13,9 +13,13 @@ setup(
     package_data={"megatron_dualkv.cards": ["*.json"]},
     # torch is left unpinned so GPU clusters keep their own build; on a CPU machine install the CPU
     # wheel first (README), or pip would pull a multi-GB CUDA build.
-    install_requires=["torch>=2.4", "triton>=3.0", "megatron-core>=0.16", "numpy", "packaging"],
+    # safetensors, tqdm: checkpoint conversion; psutil: Megatron's dist-checkpoint writer (save_model)
+    install_requires=["torch>=2.4", "triton>=3.0", "megatron-core>=0.16", "numpy", "packaging", "safetensors", "tqdm", "psutil"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece"],
+        # The example launch scripts (tests/test_examples.py runs them): progress bar, tokenizer, and
+        # psutil, which Megatron's distributed-checkpoint writer needs.
+        "examples": ["tqdm", "sentencepiece", "psutil"],
+        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece", "tqdm", "psutil"],
         "bench": ["matplotlib"],
         # transformer-engine and apex are optional accelerators, used when present: install them the
         # way your cluster's CUDA stack requires (they do not build on CPU-only machines).

@@ -1,22 +1,160 @@
-"""One rank of test_rl_logprobs' two-process runs (gloo on CPU).
+"""One rank of the multi-process tests (gloo on CPU):
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/distributed_worker.py {tp2|ep2} OUT_DIR
+    RANK=r WORLD_SIZE=n MASTER_ADDR=.. MASTER_PORT=.. python tests/distributed_worker.py OUT_DIR SCENARIO [SCENARIO ...]
 
-tp2: the tiny dense model at tp=2 (log-probs, GRPO gradients) and vocab_parallel_logprobs on a
-shard of fixed logits. ep2: the tiny MoE model at ep=2 on the packed and replicated layouts.
-Each rank saves its results to OUT_DIR/rank<r>.pt for the test to check.
+Scenarios run one after the other in the same world, each on fresh Megatron parallel state, and
+each saves its results to ``OUT_DIR/<scenario>.rank<r>.pt``; a scenario that raises saves its
+traceback instead and ends the rank, so that the others fail fast instead of waiting for it.
+
+* ``tp2``: the tiny dense model at tp=2 without sequence parallelism (log-probs, GRPO gradients)
+  and vocab_parallel_logprobs on a shard of fixed logits; ``ep2``: the tiny MoE model at ep=2 on
+  the packed and replicated layouts (test_rl_logprobs).
+* ``PARALLEL_RUNS``: a policy-update step through Megatron's DDP and schedule (test_parallel): the
+  per-response results every rank returns (and forward_logprobs on the packed and the replicated
+  layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
+  that the test assembles into full tensors.
 """
+import math
 import os
+import socket
+import subprocess
 import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Dict, List
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
+from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import build_model
-from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward, forward_logprobs, vocab_parallel_logprobs
+from megatron_dualkv.rl import (
+    GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, vocab_parallel_logprobs,
+)
 from rollouts import make_batch, perturbed
 
 VOCAB_LOGITS_SEED = 5
+SEED = 1234
+# Uneven groups (a one-token prompt, one-token responses, a single-response group); the two
+# micro-batches differ in length, as pipeline stages then exchange differently shaped tensors.
+MICRO_BATCH_SHAPES = [
+    [(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1])],
+    [(3, [1]), (9, [2, 7, 3, 1]), (2, [4])],
+]
+LOSS = GRPOLoss(clip_eps=0.2, kl_coef=0.05)
+
+
+@dataclass(frozen=True)
+class ParallelRun:
+    """A model card and build_model arguments (parallel sizes and architecture overrides)."""
+
+    card: str
+    world: int
+    sizes: Dict = field(default_factory=dict)
+    overrides: Dict = field(default_factory=dict)
+
+    def build_kwargs(self) -> Dict:
+        return dict(self.sizes, seed=SEED, **self.overrides)
+
+
+# MoE runs keep the card's load-balancing loss: padding is excluded from its token statistics, so
+# the single-process run on unpadded micro-batches computes the same loss.
+PARALLEL_RUNS = {
+    "dense_tp2": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=False)),
+    "dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True)),
+    "dense_pp2": ParallelRun("qwen3-tiny", 2, dict(pp=2)),
+    "dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4)),
+    "dense_cp2": ParallelRun("qwen3-tiny", 2, dict(cp=2)),
+    "dense_cp2_one_kv_head": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_query_groups=1)),
+    "dense_cp2_three_kv_heads": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_attention_heads=6, num_query_groups=3)),
+    "moe_tp2_sp": ParallelRun("qwen3-moe-tiny", 2, dict(tp=2)),
+    "moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2)),
+    "moe_pp2": ParallelRun("qwen3-moe-tiny", 2, dict(pp=2)),
+    "moe_cp2": ParallelRun("qwen3-moe-tiny", 2, dict(cp=2)),
+    "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
+    "moe_pp2_tp2": ParallelRun("qwen3-moe-tiny", 4, dict(pp=2, tp=2)),
+    "moe_tp2_ep2_etp1_dp2": ParallelRun("qwen3-moe-tiny", 4, dict(tp=2, ep=2, etp=1)),
+}
+
+
+def micro_batches(pad_to_multiple_of: int) -> List[RLMicroBatch]:
+    """The micro-batches of every parallel run: the same rollouts, padded as the run needs, with
+    behaviour and reference log-probs near those of a tiny random model (-log 256)."""
+    out = []
+    for seed, shapes in enumerate(MICRO_BATCH_SHAPES):
+        batch = make_batch(shapes, seed=seed, pad_to_multiple_of=pad_to_multiple_of)
+        tokens = ResponseTokens.from_layout(batch.layout)
+        uniform = tokens.split(torch.full((tokens.num_tokens,), -math.log(256)))
+        out.append(RLMicroBatch(batch, perturbed(uniform, 0.1, seed), perturbed(uniform, 0.1, seed + 10)))
+    return out
+
+
+def parallel_run(run: ParallelRun) -> Dict:
+    built = build_model(run.card, **run.build_kwargs())
+    chunks = built if isinstance(built, list) else [built]
+    config = chunks[0].config
+    ddp = [DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), c) for c in chunks]
+    config.no_sync_func = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    model = ddp if len(ddp) > 1 else ddp[0]
+    sizes = ParallelSizes(**run.sizes)
+    batches = micro_batches(sizes.token_multiple)
+    with torch.no_grad():
+        # one micro-batch at a time: not under the interleaved schedule (it runs at least pp)
+        logprobs = None if sizes.vpp else [forward_logprobs(model, mb.batch) for mb in batches]
+        # the baseline layout, wherever Megatron's attention runs it (no context parallelism)
+        replicated = None if sizes.vpp or sizes.cp > 1 else [forward_logprobs(model, mb.batch, "replicated") for mb in batches]
+    outputs = forward_backward(model, batches, LOSS, with_entropy=True)
+    return dict(
+        logprobs=logprobs, replicated=replicated, outputs=outputs, parameters=parameter_pieces(chunks),
+        unpadded_error=unpadded_error(model, sizes),
+    )
+
+
+def unpadded_error(model, sizes: ParallelSizes):
+    """The error for a micro-batch of 35 tokens, where CP/SP need a multiple of token_multiple."""
+    batch = micro_batches(pad_to_multiple_of=1)[0].batch
+    assert batch.num_tokens == 35
+    if sizes.token_multiple == 1 or sizes.pp > 1:
+        return None
+    try:
+        forward_logprobs(model, batch)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def parameter_pieces(chunks) -> Dict[str, Dict]:
+    """Every parameter of this rank under its name in the whole model (global layer and expert
+    numbers), with its gradient and, when split by tensor parallelism, how."""
+    pieces = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            expert = ".experts." in name
+            split = None
+            if getattr(param, "tensor_model_parallel", False):
+                if expert:
+                    rank, size = parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+                else:
+                    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+                split = dict(rank=rank, size=size, dim=param.partition_dim, stride=param.partition_stride)
+            pieces[global_name(chunk, name)] = dict(value=param.detach().clone(), grad=param.main_grad.clone(), split=split)
+    return pieces
+
+
+def global_name(model, name: str) -> str:
+    """``decoder.layers.<local>...local_experts.<local>`` -> the single-rank model's name."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+        if "local_experts" in parts:
+            i = parts.index("local_experts") + 1
+            local = len(layer.mlp.experts.local_experts)
+            parts[i] = str(parallel_state.get_expert_model_parallel_rank() * local + int(parts[i]))
+    return ".".join(parts)
 
 
 def fixed_logits_and_targets():
@@ -25,7 +163,7 @@ def fixed_logits_and_targets():
 
 
 def tp2():
-    model = build_model("qwen3-tiny", tp=2)
+    model = build_model("qwen3-tiny", tp=2, sp=False)
     batch = make_batch()
     packed = forward_logprobs(model, batch)
     replicated = forward_logprobs(model, batch, layout="replicated")
@@ -48,7 +186,61 @@ def ep2():
     return dict(packed=forward_logprobs(model, batch), replicated=forward_logprobs(model, batch, layout="replicated"))
 
 
+def run_scenario(name: str) -> Dict:
+    if name in PARALLEL_RUNS:
+        return parallel_run(PARALLEL_RUNS[name])
+    return {"tp2": tp2, "ep2": ep2}[name]()
+
+
+def main(out_dir: str, scenarios: List[str]) -> None:
+    rank = int(os.environ["RANK"])
+    for name in scenarios:
+        try:
+            result = run_scenario(name)
+        except Exception:  # noqa: BLE001 - reported by the test that reads the file
+            torch.save(dict(error=traceback.format_exc()), os.path.join(out_dir, f"{name}.rank{rank}.pt"))
+            os._exit(1)  # at once: the other ranks' collectives then fail instead of waiting
+        torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
+        parallel_state.destroy_model_parallel()
+    # gloo: leaving while a peer still finishes point-to-point traffic can abort the process
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(scenarios: List[str], world_size: int, out_dir, timeout: float = 600) -> Dict[str, List[Dict]]:
+    """Run ``scenarios`` in a gloo world of ``world_size`` processes; per scenario, each rank's
+    results. AssertionError with the ranks' output when a rank fails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs = [], [os.path.join(out_dir, f"rank{rank}.log") for rank in range(world_size)]
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        # output to files: a rank blocked on a full pipe would stall the others in a collective
+        with open(logs[rank], "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(out_dir), *scenarios], env=env, stdout=log, stderr=log,
+            ))
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"the {world_size} ranks did not finish {scenarios} within {timeout} s")
+    outputs = [open(log).read() for log in logs]
+    results = {}
+    for name in scenarios:
+        paths = [os.path.join(out_dir, f"{name}.rank{rank}.pt") for rank in range(world_size)]
+        assert all(map(os.path.exists, paths)), f"not every rank reached {name}:\n" + "\n".join(o[-3000:] for o in outputs)
+        results[name] = [torch.load(path, weights_only=False) for path in paths]
+        errors = [f"rank {rank}:\n{r['error']}" for rank, r in enumerate(results[name]) if "error" in r]
+        assert not errors, f"{name} failed on\n" + "\n".join(errors)
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{output[-3000:]}"
+    return results
+
+
 if __name__ == "__main__":
-    scenario, out_dir = sys.argv[1], sys.argv[2]
-    results = {"tp2": tp2, "ep2": ep2}[scenario]()
-    torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
+    main(sys.argv[1], sys.argv[2:])

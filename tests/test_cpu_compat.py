@@ -18,7 +18,7 @@ def compat():
 
 
 def test_cuda_tensors_land_on_the_cpu(compat):
-    assert torch.cuda.current_device() == 0
+    assert torch.cuda.current_device() == torch.device("cpu")
     for device in ("cuda", "cuda:0", 0, torch.device("cuda")):
         assert torch.zeros(2, device=device).device.type == "cpu"
     x = torch.ones(3)

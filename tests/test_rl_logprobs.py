@@ -1,10 +1,5 @@
 """Response-token log-probs: vocab-parallel math, the indexing against a hand computation, the
 packed layout against the replicated oracle (dense and MoE), tensor and expert parallelism."""
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,8 +10,6 @@ from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import forward_logprobs, response_logprobs, vocab_parallel_logprobs
 from rollouts import make_batch, max_abs_diff
 from strategies import rollout_groups
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +89,9 @@ two_cpu_ranks = pytest.mark.skipif(torch.cuda.is_available(), reason="two gloo r
 
 
 def run_two_ranks(scenario, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(TESTS, "distributed_worker.py"), scenario, str(tmp_path)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
-    for proc in procs:
-        output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output[-3000:]
-    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    from distributed_worker import launch
+
+    return launch([scenario], 2, tmp_path)[scenario]
 
 
 @two_cpu_ranks

@@ -1,21 +1,27 @@
-"""Megatron-Core integration: DualKV core attention, layer specs, the GPT model, parallel state and
-the CPU compatibility module (applied explicitly with ``enable_cpu_compat()``)."""
+"""Megatron-Core integration: DualKV core attention, layer specs, the GPT model, the parallel layout
+(``plan_parallel``; Ulysses context parallelism in ``context_parallel``) and the CPU compatibility
+module (applied explicitly with ``enable_cpu_compat()``)."""
 from .attention import DualKVAttention
 from .cpu_compat import disable_cpu_compat, enable_cpu_compat
 from .gpt_model import DualKVGPTModel
 from .layer_specs import dualkv_local_block_spec, dualkv_te_block_spec, transformer_engine_available
 from .packed_seq_params import DualKVPackedSeqParams
-from .parallel import ParallelSizes, initialize_parallel_state
+from .norms import SequenceParallelTorchNorm
+from .parallel import ParallelPlan, ParallelSizes, current_parallel_sizes, initialize_parallel_state, plan_parallel
 
 __all__ = [
     "DualKVAttention",
     "DualKVGPTModel",
     "DualKVPackedSeqParams",
+    "ParallelPlan",
     "ParallelSizes",
+    "SequenceParallelTorchNorm",
+    "current_parallel_sizes",
     "disable_cpu_compat",
     "dualkv_local_block_spec",
     "dualkv_te_block_spec",
     "enable_cpu_compat",
     "initialize_parallel_state",
+    "plan_parallel",
     "transformer_engine_available",
 ]

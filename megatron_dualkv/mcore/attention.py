@@ -6,6 +6,9 @@ With ``packed_seq_params`` a ``DualKVPackedSeqParams`` (thd: q/k/v ``[t, heads, 
 Without ``packed_seq_params`` (sbhd: ``[s, b, heads, dim]``, a padded batch of plain sequences)
 it is Megatron's own ``DotProductAttention`` (causal): the same model then runs the standard
 replicated layout, which is the baseline and the equivalence oracle.
+
+Under context parallelism (the params' ``cp_group``, set by ``DualKVGPTModel``) q/k/v hold this
+rank's slice of the packed tokens, and attention runs as Ulysses (``mcore.context_parallel``).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from ..attention import dualkv_attn_func
+from .context_parallel import context_parallel_size, local_tokens, ulysses_attention
 from .packed_seq_params import DualKVPackedSeqParams
 
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -95,18 +99,26 @@ class DualKVAttention(DotProductAttention):
                 f"DualKVAttention expects thd query [tokens, {self.num_attention_heads_per_partition} heads per "
                 f"partition, head_dim], got shape {tuple(query.shape)}"
             )
-        if query.shape[0] != layout.total_tokens:
+        tokens = local_tokens(packed_seq_params)
+        if query.shape[0] != tokens.stop - tokens.start:
             raise ValueError(
                 f"DualKVAttention: the query has {query.shape[0]} tokens but the DualKVLayout describes "
-                f"{layout.total_tokens}; the layout must be the one the micro-batch was packed with"
+                f"{layout.total_tokens} (split over {context_parallel_size(packed_seq_params.cp_group)} context-parallel "
+                "rank(s)); the layout must be the one the micro-batch was packed with"
             )
-        out = dualkv_attn_func(
-            query, key, value, layout,
-            softmax_scale=self.dualkv_softmax_scale,
-            window_size=self.dualkv_window,
-            softcap=self.dualkv_softcap,
-            deterministic=self.config.deterministic_mode,
-        )
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return dualkv_attn_func(
+                q, k, v, layout,
+                softmax_scale=self.dualkv_softmax_scale,
+                window_size=self.dualkv_window,
+                softcap=self.dualkv_softcap,
+                deterministic=self.config.deterministic_mode,
+            )
+
+        if context_parallel_size(packed_seq_params.cp_group) > 1:
+            return ulysses_attention(query, key, value, packed_seq_params.cp_group, attend)
+        out = attend(query, key, value)
         return out.reshape(out.shape[0], -1)
 
 
@@ -127,7 +139,11 @@ def _check_supported(config: TransformerConfig, attn_mask_type, attention_dropou
     if config.softmax_type != "vanilla":
         raise ValueError(f"DualKVAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
     if config.context_parallel_size != 1:
-        raise NotImplementedError("DualKVAttention does not split the packed layout across context-parallel ranks yet")
+        raise ValueError(
+            f"context_parallel_size={config.context_parallel_size} switches on Megatron's own (Transformer Engine) "
+            "context parallelism; DualKV runs its own (Ulysses) on the context-parallel group of Megatron's "
+            "parallel state: keep context_parallel_size=1 in the TransformerConfig (build_model(cp=...) does)"
+        )
 
 
 def _left_window(config: TransformerConfig, layer_number: int) -> Optional[int]:

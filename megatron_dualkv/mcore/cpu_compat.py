@@ -6,8 +6,11 @@ real calls are used there). It is applied explicitly (``build_model`` calls it),
 
 What is mapped, and why (megatron-core 0.16.1 with a CPU-only torch build):
 
-* ``torch.cuda.current_device`` -> ``0``: RoPE, the MoE router and buffers allocate with
-  ``device=torch.cuda.current_device()``; the device mode below sends device 0 to the CPU.
+* ``torch.cuda.current_device`` -> the CPU device: RoPE, the MoE router, buffers and the
+  sequence-parallel and all-to-all communication allocate with
+  ``device=torch.cuda.current_device()``, also inside autograd backward functions, where the
+  device mode below is not active (torch 2.13 dispatches ``torch.autograd.backward`` through
+  ``__torch_function__``, and a mode is off while its own handler runs the backward).
 * a ``TorchFunctionMode`` sending ``device="cuda"``/``"cuda:N"``/``N``, ``Tensor.to(<cuda>)`` and
   ``Tensor.cuda()`` to the CPU and dropping ``pin_memory``: ``RotaryEmbedding.get_emb`` moves its
   frequencies to the current device, and the schedules (``total_num_tokens``), the optimizer,
@@ -87,7 +90,7 @@ def _replacements() -> List[Tuple[Any, str, Any]]:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     replacements = [
-        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "current_device", lambda: _CPU),
         (torch.cuda, "synchronize", lambda device=None: None),
         (torch.cuda, "Stream", _HostStream),
         (torch.cuda, "current_stream", lambda device=None: _HOST_STREAM),

@@ -7,15 +7,30 @@ instead of continuing at its prompt length P. The same function has an exact-map
 the frequency tensor has exactly ``cu_seqlens[-1]`` rows, token ``i`` gets row ``i``. This model
 hands it one row per packed token, gathered at the token's logical position from Megatron's own
 frequency table, so packed and replicated layouts see bit-identical rotations.
+
+Context parallelism (``mcore.context_parallel``): the model's context-parallel group is the
+Ulysses group of its DualKV attention. ``forward`` hands Megatron's ``GPTModel`` this rank's slice
+of the input ids, positions and masks, and params that carry the group (Megatron's ``cp_group``
+field); Megatron's own modules get a group of one as their CP group, because their CP code paths
+(load-balanced RoPE, TE attention) would split the sequence a second time.
+
+Pipeline parallelism: every stage gets the micro-batch's layout (and positions) through the same
+arguments; stages without the embedding ignore ``input_ids`` and take the hidden states the
+schedule hands them, but still need the layout for RoPE and attention.
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
 from torch import Tensor
 
+from .context_parallel import context_parallel_params, context_parallel_size, local_tokens
 from .packed_seq_params import DualKVPackedSeqParams
+from .parallel import single_rank_group
 
 
 class DualKVGPTModel(GPTModel):
@@ -24,8 +39,15 @@ class DualKVGPTModel(GPTModel):
     Without packed params it is a plain ``GPTModel`` (the replicated baseline runs that way).
     """
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, **kwargs):
-        super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, **kwargs)
+    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, pg_collection=None, **kwargs):
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        context_parallel_group = pg_collection.cp
+        if context_parallel_group.size() > 1:
+            pg_collection = copy.copy(pg_collection)
+            pg_collection.cp = single_rank_group()
+        super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, pg_collection=pg_collection, **kwargs)
+        self.context_parallel_group = context_parallel_group
         if self.position_embedding_type in ("yarn", "mrope"):
             raise ValueError(f"DualKVGPTModel supports rope, learned_absolute or no position embedding, got {self.position_embedding_type!r}")
         if self.position_embedding_type == "rope" and config.apply_rope_fusion:
@@ -33,6 +55,36 @@ class DualKVGPTModel(GPTModel):
                 "DualKVGPTModel needs apply_rope_fusion=False: the fused thd RoPE restarts positions in "
                 "every packed segment, while responses continue at their prompt length"
             )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor,
+        decoder_input: Tensor = None,
+        labels: Tensor = None,
+        inference_context=None,
+        packed_seq_params=None,
+        *args,
+        loss_mask: Optional[Tensor] = None,
+        padding_mask: Optional[Tensor] = None,
+        **kwargs,
+    ):
+        """``GPTModel.forward``; under context parallelism on this rank's slice of the packed tokens
+        (``[b, s]`` inputs, labels and masks and an ``[s, b, h]`` ``decoder_input`` are cut here;
+        the output covers the rank's tokens only)."""
+        if isinstance(packed_seq_params, DualKVPackedSeqParams) and context_parallel_size(self.context_parallel_group) > 1:
+            _check_inputs_match_layout(packed_seq_params, input_ids)
+            packed_seq_params = context_parallel_params(packed_seq_params, self.context_parallel_group)
+            tokens = local_tokens(packed_seq_params)
+            input_ids, position_ids, labels, loss_mask, padding_mask = (
+                None if x is None else x[:, tokens] for x in (input_ids, position_ids, labels, loss_mask, padding_mask)
+            )
+            decoder_input = None if decoder_input is None else decoder_input[tokens]
+        return super().forward(
+            input_ids, position_ids, attention_mask, decoder_input, labels, inference_context, packed_seq_params,
+            *args, loss_mask=loss_mask, padding_mask=padding_mask, **kwargs,
+        )
 
     def _preprocess(
         self,
@@ -46,6 +98,10 @@ class DualKVGPTModel(GPTModel):
         dualkv = isinstance(packed_seq_params, DualKVPackedSeqParams)
         if dualkv:
             _check_inputs_match_layout(packed_seq_params, input_ids)
+        if padding_mask is not None and self.config.sequence_parallel and not self.pre_process:
+            # GPTModel scatters the padding mask to the sequence-parallel split only on the stage
+            # that embeds; later pipeline stages (MoE routing) need it split the same way.
+            padding_mask = tensor_parallel.scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1)).transpose(0, 1)
         outputs = super()._preprocess(
             input_ids, position_ids, decoder_input, inference_context, packed_seq_params, padding_mask
         )
@@ -59,13 +115,16 @@ class DualKVGPTModel(GPTModel):
         """``[T, 1, 1, rot_dim]`` RoPE frequencies of every packed token at its logical position.
 
         ``position_ids`` (``[1, T]``, or None on pipeline stages without inputs, where the layout's
-        positions are used) must be the packed positions of the layout's tokens.
+        positions are used) must be the packed positions of the layout's tokens (of this rank's
+        slice of them under context parallelism: then T is the slice's length).
         """
         layout = packed_seq_params.layout
-        positions = layout.position_ids if position_ids is None else position_ids.reshape(-1)
-        if positions.numel() != layout.total_tokens:
+        tokens = local_tokens(packed_seq_params)
+        positions = layout.position_ids[tokens] if position_ids is None else position_ids.reshape(-1)
+        if positions.numel() != tokens.stop - tokens.start:
             raise ValueError(
                 f"position_ids has {positions.numel()} entries but the DualKVLayout describes {layout.total_tokens} tokens"
+                + _split_note(packed_seq_params)
             )
         longest = max((prefix_len + length for _, length, _, prefix_len in layout.segments), default=0)
         if longest > self.max_sequence_length:
@@ -81,8 +140,14 @@ def _check_inputs_match_layout(packed_seq_params: DualKVPackedSeqParams, input_i
     layout = packed_seq_params.layout
     if layout is None:
         raise ValueError("DualKVPackedSeqParams without a layout: build them with DualKVPackedSeqParams.from_layout(layout)")
-    if input_ids is not None and input_ids.numel() != layout.total_tokens:
+    tokens = local_tokens(packed_seq_params)
+    if input_ids is not None and input_ids.numel() != tokens.stop - tokens.start:
         raise ValueError(
-            f"input_ids has {input_ids.numel()} tokens but the DualKVLayout describes {layout.total_tokens}; "
-            "pass the layout the micro-batch was packed with"
+            f"input_ids has {input_ids.numel()} tokens but the DualKVLayout describes {layout.total_tokens}"
+            f"{_split_note(packed_seq_params)}; pass the layout the micro-batch was packed with"
         )
+
+
+def _split_note(packed_seq_params: DualKVPackedSeqParams) -> str:
+    cp = context_parallel_size(packed_seq_params.cp_group)
+    return f" ({cp} context-parallel slices)" if cp > 1 else ""

@@ -7,7 +7,8 @@ submodule is swapped, through ``ModuleSpec`` copies, never by patching Megatron.
 
 * ``dualkv_local_block_spec``: torch-native modules (ColumnParallelLinear, torch RMSNorm,
   SequentialMLP experts, or legacy GroupedMLP when the grouped_gemm package is installed);
-  runs on CPU and GPU.
+  runs on CPU and GPU. Its torch norms are ``SequenceParallelTorchNorm`` (``mcore.norms``), so it
+  also runs under sequence parallelism.
 * ``dualkv_te_block_spec``: Transformer Engine linears and norms (LayerNorm fused into the QKV
   and FC1 linears, TEGroupedMLP experts); only when transformer_engine imports.
 """
@@ -25,6 +26,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import DualKVAttention
+from .norms import with_sequence_parallel_torch_norms
 
 
 def transformer_engine_available() -> bool:
@@ -38,7 +40,8 @@ def dualkv_local_block_spec(config: TransformerConfig, vp_stage: Optional[int] =
     )
     # Megatron's local block picks apex FusedLayerNorm for the final norm whenever apex imports,
     # and FusedLayerNorm rejects RMSNorm; the torch norm follows config.normalization.
-    return _with_dualkv_attention(replace(block, layer_norm=WrappedTorchNorm))
+    block = replace(block, layer_norm=WrappedTorchNorm)
+    return _with_dualkv_attention(with_sequence_parallel_torch_norms(block))
 
 
 def dualkv_te_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:

@@ -1,62 +1,192 @@
-"""Parallel settings: the one place where tp/pp/ep/cp are validated and turned into Megatron state.
+"""Parallel layout: the one place where the parallel sizes are validated, the world is split, and
+Megatron's parallel state is brought to those sizes.
 
-``ParallelSizes`` gives the ``TransformerConfig`` fields; ``initialize_parallel_state`` brings
-``torch.distributed`` and Megatron's ``parallel_state`` to those sizes: in a plain single
-process it starts a world of one (gloo on CPU, nccl on GPU) on a free local port; under
+    world  = dp x tp x pp x cp           (dense layers: tp inside cp inside dp, one pp stage each)
+    dp x tp x cp = edp x ep x etp        (expert layers re-split the same ranks of one pp stage)
+
+``plan_parallel(world_size, tp, pp, ep, cp, ...)`` checks that a world splits that way and returns
+the ``ParallelPlan`` (including dp) that launch scripts use; ``ParallelSizes`` gives the
+``TransformerConfig`` fields and the token multiple a packed micro-batch must be padded to;
+``initialize_parallel_state`` brings ``torch.distributed`` and Megatron's ``parallel_state`` to the
+sizes: in a plain single process it starts a world of one (gloo on CPU, nccl on GPU), under
 torchrun it joins the launched world.
+
+Context parallelism is DualKV's own (Ulysses, ``megatron_dualkv.mcore.context_parallel``): the
+context-parallel group of Megatron's ``parallel_state`` has ``cp`` ranks, so DDP,
+``finalize_model_grads`` and the schedules reduce gradients over dp x cp and scale the loss by cp
+exactly as for Megatron's own context parallelism, while ``TransformerConfig.context_parallel_size``
+stays 1: that field switches on Megatron's TE-only implementation (TE attention and load-balanced
+RoPE), which must not run on top of ours.
 """
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+_single_rank_group: Optional[dist.ProcessGroup] = None
+
 
 @dataclass(frozen=True)
 class ParallelSizes:
-    """Tensor, pipeline, expert and context parallel sizes of one model."""
+    """The parallel sizes of one model.
+
+    tp, pp, ep, cp: tensor, pipeline, expert and (Ulysses) context parallel sizes.
+    etp: tensor-parallel size of the experts (None: tp, Megatron's default).
+    vpp: model chunks per pipeline rank, for the interleaved 1F1B schedule (None: plain 1F1B).
+    sp: sequence parallelism over the tensor-parallel group (None: on whenever tp > 1; Megatron's
+        MoE layers need it under tensor parallelism, and it splits the norms' activations by tp).
+    """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     cp: int = 1
+    etp: Optional[int] = None
+    vpp: Optional[int] = None
+    sp: Optional[bool] = None
 
     def __post_init__(self):
-        for name in ("tp", "pp", "ep", "cp"):
+        for name in ("tp", "pp", "ep", "cp", "etp", "vpp"):
             value = getattr(self, name)
+            if value is None and name in ("etp", "vpp"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.pp > 1:
-            raise NotImplementedError(
-                f"pp={self.pp}: pipeline parallelism is not wired into the DualKV forward/backward entry points yet"
-            )
-        if self.cp > 1:
-            raise NotImplementedError(
-                f"cp={self.cp}: DualKV attention does not split the packed layout across context-parallel ranks yet"
-            )
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        if self.vpp == 1:
+            object.__setattr__(self, "vpp", None)
+        if self.vpp is not None and self.pp == 1:
+            raise ValueError(f"vpp={self.vpp} interleaves pipeline stages and needs pp > 1")
+        if self.sp is None:
+            object.__setattr__(self, "sp", self.tp > 1)
+        elif not isinstance(self.sp, bool):
+            raise ValueError(f"sp must be a bool or None, got {self.sp!r}")
+        elif self.sp and self.tp == 1:
+            raise ValueError("sp=True splits the sequence over the tensor-parallel group and needs tp > 1")
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks that hold one replica of the model: tp x pp x cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def token_multiple(self) -> int:
+        """What the packed token count of every micro-batch must be a multiple of: context
+        parallelism cuts the packed sequence into cp equal slices, sequence parallelism each slice
+        into tp. Pack with ``pack_groups(groups, pad_to_multiple_of=sizes.token_multiple)`` (or a
+        multiple of it); the padding is its own segment, so it never changes a loss."""
+        return self.cp * (self.tp if self.sp else 1)
 
     def transformer_config_kwargs(self) -> dict:
-        # Sequence parallelism stays off: the torch-native norms of the local spec reject it.
         return dict(
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
             expert_model_parallel_size=self.ep,
-            context_parallel_size=self.cp,
-            sequence_parallel=False,
+            expert_tensor_parallel_size=self.etp,
+            # Megatron's own (TE-only) context parallelism stays off: see the module docstring.
+            context_parallel_size=1,
+            sequence_parallel=self.sp,
+            # Packed micro-batches differ in length: pipeline stages exchange each one's shape,
+            # except in the interleaved schedule, where Megatron 0.16.1's shape exchange deadlocks
+            # (forward_backward pads its micro-batches to one length instead).
+            variable_seq_lengths=self.pp > 1 and not self.vpp,
+            # The interleaved schedule on two stages sends to both neighbours, the same peer, in one
+            # step: only Megatron's unbatched p2p path keeps the two directions apart.
+            batch_p2p_comm=not (self.pp == 2 and self.vpp),
         )
 
+    def same_parallel_state(self, other: "ParallelSizes") -> bool:
+        """Whether both need the same Megatron parallel state (``sp`` is a model setting only)."""
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self) if f.name != "sp")
 
-def current_parallel_sizes() -> ParallelSizes:
-    """The sizes Megatron's parallel state was initialised with."""
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How ``world_size`` processes are split for ``sizes``.
+
+    dp: data-parallel replicas of the dense layers (world / (tp x pp x cp)).
+    expert_dp: data-parallel replicas of every expert (dp x tp x cp / (ep x etp)).
+    """
+
+    sizes: ParallelSizes
+    world_size: int
+    dp: int
+    expert_dp: int
+
+
+def plan_parallel(
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    *,
+    etp: Optional[int] = None,
+    vpp: Optional[int] = None,
+    sp: Optional[bool] = None,
+) -> ParallelPlan:
+    """The ``ParallelPlan`` of a world of ``world_size`` processes; ValueError when it does not split."""
+    sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, vpp=vpp, sp=sp)
+    return plan_for_world(sizes, world_size)
+
+
+def plan_for_world(sizes: ParallelSizes, world_size: int) -> ParallelPlan:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if world_size % sizes.model_ranks:
+        raise ValueError(
+            f"{sizes} needs tp*pp*cp = {sizes.model_ranks} ranks per model replica, but this world has "
+            f"{world_size} process(es); launch a multiple of {sizes.model_ranks}, e.g. "
+            f"torchrun --nproc-per-node {sizes.model_ranks}"
+        )
+    dp = world_size // sizes.model_ranks
+    stage_ranks = dp * sizes.tp * sizes.cp
+    expert_ranks = sizes.ep * sizes.etp
+    if stage_ranks % expert_ranks:
+        raise ValueError(
+            f"{sizes}: the dp*tp*cp = {stage_ranks} ranks of a pipeline stage cannot hold experts split "
+            f"ep*etp = {expert_ranks} ways; choose ep*etp dividing {stage_ranks}"
+        )
+    return ParallelPlan(sizes=sizes, world_size=world_size, dp=dp, expert_dp=stage_ranks // expert_ranks)
+
+
+def check_model_split(config, vocab_size: int, sizes: ParallelSizes) -> None:
+    """ValueError when a model of ``config`` cannot be split ``sizes`` ways (what Megatron would
+    only assert, or find out in the middle of a forward)."""
+    heads_split = sizes.tp * sizes.cp
+    if config.num_attention_heads % heads_split:
+        raise ValueError(
+            f"num_attention_heads ({config.num_attention_heads}) is not divisible by tp*cp ({heads_split}): "
+            "tensor parallelism and then Ulysses context parallelism split the attention heads"
+        )
+    if vocab_size % sizes.tp:
+        raise ValueError(f"vocab_size ({vocab_size}) is not divisible by tp ({sizes.tp})")
+    stages = sizes.pp * (sizes.vpp or 1)
+    if config.num_layers % stages:
+        raise ValueError(f"num_layers ({config.num_layers}) is not divisible by pp*vpp ({stages}) pipeline stages")
+    if config.num_moe_experts and sizes.tp > 1 and not sizes.sp:
+        raise ValueError("Megatron's MoE layers train under tensor parallelism only with sequence parallelism: sp=True (the default)")
+
+
+def current_parallel_sizes(config=None) -> ParallelSizes:
+    """The sizes Megatron's parallel state was initialised with; ``sp`` from the model's
+    ``TransformerConfig`` when given (sequence parallelism is a model setting, not parallel state)."""
     return ParallelSizes(
         tp=parallel_state.get_tensor_model_parallel_world_size(),
         pp=parallel_state.get_pipeline_model_parallel_world_size(),
         ep=parallel_state.get_expert_model_parallel_world_size(),
         cp=parallel_state.get_context_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        vpp=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        sp=None if config is None else config.sequence_parallel,
     )
 
 
@@ -70,37 +200,41 @@ def initialize_parallel_state(sizes: ParallelSizes, seed: int) -> None:
         _init_process_group()
     if parallel_state.model_parallel_is_initialized():
         current = current_parallel_sizes()
-        if current != sizes:
+        if not current.same_parallel_state(sizes):
             raise ValueError(f"Megatron's parallel state is already initialised with {current}; cannot build a model with {sizes}")
     else:
-        check_world_fits(sizes, dist.get_world_size())
+        plan_for_world(sizes, dist.get_world_size())
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tp,
             pipeline_model_parallel_size=sizes.pp,
+            virtual_pipeline_model_parallel_size=sizes.vpp,
             context_parallel_size=sizes.cp,
             expert_model_parallel_size=sizes.ep,
+            expert_tensor_parallel_size=sizes.etp,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def check_world_fits(sizes: ParallelSizes, world: int) -> None:
-    dense = sizes.tp * sizes.pp * sizes.cp
-    if world % dense or world % (sizes.ep * sizes.pp):
-        raise ValueError(
-            f"{sizes} needs a world whose size is a multiple of tp*pp*cp={dense} and of ep*pp={sizes.ep * sizes.pp}, "
-            f"but this world has {world} process(es); launch with e.g. torchrun --nproc-per-node {max(dense, sizes.ep * sizes.pp)}"
-        )
+def single_rank_group() -> dist.ProcessGroup:
+    """A process group of this rank alone: what Megatron's own context-parallel code paths are
+    handed inside a DualKV model, so that they see no context parallelism (created once)."""
+    global _single_rank_group
+    if _single_rank_group is None:
+        # Local synchronisation: every rank creates its own group without the others joining in.
+        _single_rank_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return _single_rank_group
 
 
 def _init_process_group() -> None:
-    """A world of one in a plain process; the launcher's world under torchrun (RANK/WORLD_SIZE set)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+    """The launcher's world under torchrun (RANK/WORLD_SIZE/MASTER_* set); else a world of one on a
+    free local port, without touching the environment that child processes would inherit."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 def _free_port() -> int:

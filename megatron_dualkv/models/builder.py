@@ -1,24 +1,26 @@
-"""``build_model``: a model card plus parallel settings -> a ``DualKVGPTModel``."""
+"""``build_model``: a model card plus parallel settings -> a ``DualKVGPTModel`` (or its pipeline chunks)."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.moe import grouped_gemm_util
 
 from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
-from ..mcore.layer_specs import dualkv_local_block_spec, dualkv_te_block_spec, transformer_engine_available
-from ..mcore.parallel import ParallelSizes, initialize_parallel_state
+from ..mcore.layer_specs import transformer_engine_available
+from ..mcore.parallel import ParallelSizes, check_model_split, initialize_parallel_state
 from .cards import ModelCard, load_card
 from .family import ModelFamily
+from .gemma import GEMMA3, GEMMA4
 from .qwen3 import QWEN3, QWEN3_MOE
 
-FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE)}
+FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4)}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRANSFORMER_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
@@ -31,21 +33,29 @@ def build_model(
     ep: int = 1,
     cp: int = 1,
     *,
+    etp: Optional[int] = None,
+    vpp: Optional[int] = None,
+    sp: Optional[bool] = None,
     dtype: Optional[torch.dtype] = None,
     seed: int = 1234,
     use_transformer_engine: Optional[bool] = None,
     **overrides: Any,
-) -> DualKVGPTModel:
+) -> Union[DualKVGPTModel, List[DualKVGPTModel]]:
     """Build the Megatron-Core model of ``card`` for the DualKV packed layout.
 
     card: a card name in ``models/`` (e.g. ``"qwen3-tiny"``), a card file, or a Hugging Face
         ``config.json`` path.
-    tp, pp, ep, cp: tensor, pipeline, expert and context parallel sizes. pp > 1 and cp > 1 raise
-        NotImplementedError for now; tp/ep > 1 need a launched world of that size (torchrun).
+    tp, pp, ep, cp: tensor, pipeline, expert and (Ulysses) context parallel sizes; etp: the
+        experts' tensor-parallel size (default tp); vpp: model chunks per pipeline rank for the
+        interleaved schedule; sp: sequence parallelism (default: on when tp > 1). Checked and
+        turned into Megatron's parallel state by ``megatron_dualkv.mcore.parallel``; a world
+        larger than one process is the launcher's (torchrun), whose process group is joined.
+        Under pp > 1 this rank's stage is built; with vpp > 1 the result is the list of its vpp
+        model chunks (Megatron's model-chunk list, as the interleaved schedule takes it).
     dtype: parameter dtype (default: the card's ``torch_dtype``, float32 if it has none).
     seed: Megatron's model-parallel RNG seed; the same seed gives the same weights.
-    use_transformer_engine: None picks the TE spec when transformer_engine imports and CUDA is
-        available, else the torch-native local spec.
+    use_transformer_engine: None picks the TE spec when transformer_engine imports, CUDA is
+        available and the family has one (Gemma has not), else the torch-native local spec.
     overrides: ``TransformerConfig`` fields replacing the card's (e.g. ``num_layers=2``,
         ``moe_aux_loss_coeff=0.0``).
 
@@ -57,17 +67,31 @@ def build_model(
     family = FAMILIES.get(card.model_type)
     if family is None:
         raise ValueError(f"model card {card.name!r}: unsupported model_type {card.model_type!r}; supported: {sorted(FAMILIES)}")
-    sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp)
+    sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, vpp=vpp, sp=sp)
     if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available() and torch.cuda.is_available()
+        use_transformer_engine = (
+            family.supports_transformer_engine and transformer_engine_available() and torch.cuda.is_available()
+        )
     enable_cpu_compat()
     config = build_transformer_config(card, family, sizes, _param_dtype(card, dtype), use_transformer_engine, overrides)
     model_kwargs = family.gpt_model_kwargs(card)
-    if model_kwargs["vocab_size"] % tp:
-        raise ValueError(f"vocab_size ({model_kwargs['vocab_size']}) is not divisible by tp ({tp})")
+    check_model_split(config, model_kwargs["vocab_size"], sizes)
     initialize_parallel_state(sizes, seed)
-    spec_fn = dualkv_te_block_spec if use_transformer_engine else dualkv_local_block_spec
-    model = DualKVGPTModel(config, spec_fn(config), **model_kwargs)
+    chunks = [_pipeline_chunk(family, config, use_transformer_engine, model_kwargs, vp_stage) for vp_stage in range(sizes.vpp or 1)]
+    return chunks if sizes.vpp else chunks[0]
+
+
+def _pipeline_chunk(family: ModelFamily, config, use_transformer_engine: bool, model_kwargs, vp_stage: int):
+    """The model chunk of this pipeline rank's virtual stage ``vp_stage`` (the whole model without PP)."""
+    vp_stage = vp_stage if config.virtual_pipeline_model_parallel_size else None
+    model = family.model_class(
+        config,
+        family.block_spec(config, use_transformer_engine, vp_stage),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
+        **model_kwargs,
+    )
     return model.to(torch.cuda.current_device()) if torch.cuda.is_available() else model
 
 
@@ -89,8 +113,13 @@ def build_transformer_config(
         )
     kwargs = family.transformer_config_kwargs(card)
     kwargs.update(sizes.transformer_config_kwargs())
+    if kwargs["variable_seq_lengths"] and not kwargs.get("num_moe_experts"):
+        # Megatron 0.16.1 refuses variable sequence lengths with its default MoE token dispatcher
+        # ("allgather") even in a model without experts.
+        kwargs["moe_token_dispatcher_type"] = "alltoall"
     kwargs.update(
         params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         # Master weights built on the host and split: the same seed gives the same full weights
@@ -102,7 +131,7 @@ def build_transformer_config(
         # otherwise SequentialMLP (a loop over experts, any device).
         kwargs["moe_grouped_gemm"] = use_transformer_engine or grouped_gemm_util.grouped_gemm_is_available()
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return family.config_class(**kwargs)
 
 
 def _param_dtype(card: ModelCard, dtype: Optional[torch.dtype]) -> torch.dtype:

@@ -2,18 +2,117 @@
 
 A family turns card fields into ``TransformerConfig`` architecture fields and ``GPTModel``
 arguments; the builder adds the parallel and precision settings and the DualKV layer spec. One
-small module per family (``qwen3.py``): that module is also where a family's Hugging Face
-state-dict mapping (checkpoint conversion) and any family-specific layer spec (e.g. Gemma's extra
-norms) belong.
+small module per family (``qwen3.py``, ``gemma.py``): that module is also where a family's
+Hugging Face state-dict mapping (a ``StateDictMapping``: every tensor under both names, used in both
+directions by ``ModelFamily.hf_to_megatron`` / ``megatron_to_hf``) and any family-specific layer
+spec, config class and model class (Gemma's extra norms) belong.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+import torch
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from ..mcore.gpt_model import DualKVGPTModel
+from ..mcore.layer_specs import dualkv_local_block_spec, dualkv_te_block_spec
 from .cards import ModelCard
 
 _REQUIRED = object()
+
+
+def dualkv_gpt_block_spec(
+    config: TransformerConfig, use_transformer_engine: bool, vp_stage: Optional[int] = None
+) -> TransformerBlockSubmodules:
+    """Megatron's own GPT block (dense or MoE layers) with DualKV core attention; the layers of
+    this pipeline rank (and virtual stage ``vp_stage``) only."""
+    spec = dualkv_te_block_spec if use_transformer_engine else dualkv_local_block_spec
+    return spec(config, vp_stage)
+
+
+@dataclass(frozen=True)
+class TensorMapping:
+    """Some Hugging Face tensors <-> some Megatron tensors, and how one side is made from the other.
+
+    to_megatron(*hf tensors) -> the Megatron tensors in ``megatron`` order (a tuple, or one
+    tensor); to_hf is the inverse. Most entries are one-to-one with the identity; fused
+    projections join several HF tensors (q/k/v, gate/up); fused MoE expert tensors split into
+    per-expert ones.
+    """
+
+    hf: Tuple[str, ...]
+    megatron: Tuple[str, ...]
+    to_megatron: Callable[..., Tuple[Tensor, ...]] = lambda *tensors: tensors  # noqa: E731
+    to_hf: Callable[..., Tuple[Tensor, ...]] = lambda *tensors: tensors  # noqa: E731
+
+
+@dataclass(frozen=True)
+class StateDictMapping:
+    """Every tensor of one model under both names: what a family's ``hf_mapping`` returns.
+
+    Hugging Face side: the names of the transformers model's ``state_dict()``. Megatron side: the
+    names of the model ``build_model`` makes, with full (tp=1, ep=1) tensors; ``_extra_state``
+    entries are not tensors and are left out. ``tied``: HF names that alias another HF tensor
+    (tied embeddings: ``lm_head.weight`` -> ``model.embed_tokens.weight``), checked equal on the
+    way in and emitted as the same tensor on the way out.
+    """
+
+    tensors: Tuple[TensorMapping, ...]
+    tied: Dict[str, str] = field(default_factory=dict)
+
+    def check_hf_names(self, names: Iterable[str]) -> None:
+        """ValueError naming the missing and the unexpected Hugging Face tensors, if any."""
+        _check_names("Hugging Face", dict.fromkeys(names), [n for m in self.tensors for n in m.hf], self.tied)
+
+    def check_tied(self, hf_tensors: Dict[str, Tensor]) -> None:
+        """ValueError when a tied alias in ``hf_tensors`` differs from the tensor it aliases."""
+        for alias, source in self.tied.items():
+            if alias in hf_tensors and not torch.equal(hf_tensors[alias], hf_tensors[source]):
+                raise ValueError(f"{alias} differs from {source}, but the model ties them (tie_word_embeddings)")
+
+    def to_megatron(self, hf_state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        self.check_hf_names(hf_state_dict)
+        self.check_tied(hf_state_dict)
+        return _apply(self.tensors, hf_state_dict, "hf", "megatron", "to_megatron")
+
+    def to_hf(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        tensors = {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
+        _check_names("Megatron", tensors, [n for m in self.tensors for n in m.megatron], {})
+        hf = _apply(self.tensors, tensors, "megatron", "hf", "to_hf")
+        hf.update({alias: hf[source] for alias, source in self.tied.items()})
+        return hf
+
+
+def _check_names(side: str, state_dict: Dict[str, Tensor], expected: Sequence[str], optional: Dict[str, str]) -> None:
+    missing = [n for n in expected if n not in state_dict]
+    unexpected = sorted(set(state_dict) - set(expected) - set(optional))
+    if missing or unexpected:
+        raise ValueError(
+            f"{side} state dict does not match the model card: missing {_first(missing)}, unexpected {_first(unexpected)}"
+        )
+
+
+def _first(names: Sequence[str], n: int = 5) -> str:
+    return "none" if not names else ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def _apply(mappings, state_dict, source: str, target: str, convert: str) -> Dict[str, Tensor]:
+    out = {}
+    for mapping in mappings:
+        names = getattr(mapping, target)
+        tensors = getattr(mapping, convert)(*(state_dict[n] for n in getattr(mapping, source)))
+        tensors = (tensors,) if isinstance(tensors, Tensor) else tensors
+        if len(tensors) != len(names):
+            raise ValueError(f"mapping {getattr(mapping, source)} -> {names} produced {len(tensors)} tensors")
+        out.update(zip(names, tensors))
+    return out
+
+
+StateDictMappingFn = Callable[[ModelCard, TransformerConfig], StateDictMapping]
 
 
 @dataclass(frozen=True)
@@ -21,6 +120,106 @@ class ModelFamily:
     model_type: str
     transformer_config_kwargs: Callable[[ModelCard], Dict[str, Any]]
     gpt_model_kwargs: Callable[[ModelCard], Dict[str, Any]]
+    # Megatron building blocks: Megatron's GPT layers with DualKV attention unless a family brings its own
+    config_class: type = TransformerConfig
+    block_spec: Callable[[TransformerConfig, bool, Optional[int]], TransformerBlockSubmodules] = dualkv_gpt_block_spec
+    model_class: type = DualKVGPTModel
+    supports_transformer_engine: bool = True
+    hf_mapping: Optional[StateDictMappingFn] = None
+    # The names of the family's published safetensors files where they differ from transformers'
+    # state dict (Qwen3-MoE files name experts one by one, transformers 5 fuses them in memory).
+    hf_file_mapping: Optional[StateDictMappingFn] = None
+
+    def hf_state_dict_mapping(self, card: ModelCard, config: TransformerConfig) -> StateDictMapping:
+        """Every tensor of the model of ``card`` (built with ``config``) under both names."""
+        if self.hf_mapping is None:
+            raise NotImplementedError(f"model_type {self.model_type!r} has no Hugging Face state-dict mapping yet")
+        return self.hf_mapping(card, config)
+
+    def hf_file_state_dict_mapping(self, card: ModelCard, config: TransformerConfig) -> StateDictMapping:
+        """Like ``hf_state_dict_mapping``, with the Hugging Face names of the published safetensors
+        files (what transformers' ``save_pretrained`` writes) on the Hugging Face side."""
+        if self.hf_file_mapping is None:
+            return self.hf_state_dict_mapping(card, config)
+        return self.hf_file_mapping(card, config)
+
+    def hf_to_megatron(self, card: ModelCard, config: TransformerConfig, hf_state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """A transformers model's ``state_dict()`` -> the ``state_dict()`` of our model of ``card``
+        (full tensors; load it with ``load_megatron_state_dict``). config: the model's ``TransformerConfig``."""
+        return self.hf_state_dict_mapping(card, config).to_megatron(hf_state_dict)
+
+    def megatron_to_hf(self, card: ModelCard, config: TransformerConfig, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """Our model's (full) ``state_dict()`` -> the transformers model's ``state_dict()``."""
+        return self.hf_state_dict_mapping(card, config).to_hf(state_dict)
+
+
+def load_megatron_state_dict(model: torch.nn.Module, state_dict: Dict[str, Tensor]) -> None:
+    """``model.load_state_dict`` that only forgives absent ``_extra_state`` entries (no tensors)."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"state dict does not fit the model: missing {_first(missing)}, unexpected {_first(unexpected)}")
+
+
+def interleave_query_groups(num_query_groups: int, *parts: Tensor) -> Tensor:
+    """Megatron's fused QKV layout from separate projections: per query group, its rows of every part.
+
+    parts: e.g. q ``[groups*heads_per_group*d, h]``, k and v ``[groups*d, h]`` (weights or biases)
+    -> ``[q_g0 k_g0 v_g0 | q_g1 k_g1 v_g1 | ...]``.
+    """
+    for part in parts:
+        if part.shape[0] % num_query_groups:
+            raise ValueError(f"a projection of {part.shape[0]} rows does not split into {num_query_groups} key/value groups")
+    grouped = [part.reshape(num_query_groups, -1, *part.shape[1:]) for part in parts]
+    return torch.cat(grouped, dim=1).reshape(-1, *parts[0].shape[1:])
+
+
+def split_query_groups(fused: Tensor, num_query_groups: int, rows_per_group: Sequence[int]) -> Tuple[Tensor, ...]:
+    """Inverse of ``interleave_query_groups``: ``rows_per_group`` of each part in one group."""
+    if fused.shape[0] != num_query_groups * sum(rows_per_group):
+        raise ValueError(
+            f"fused projection has {fused.shape[0]} rows, expected {num_query_groups} groups of {sum(rows_per_group)}"
+        )
+    grouped = fused.reshape(num_query_groups, sum(rows_per_group), *fused.shape[1:])
+    return tuple(part.reshape(-1, *fused.shape[1:]) for part in torch.split(grouped, list(rows_per_group), dim=1))
+
+
+def gated_mlp_mapping(hf_gate: str, hf_up: str, megatron_fc1: str) -> TensorMapping:
+    """Megatron's gated-MLP ``linear_fc1`` is ``[gate; up]`` of the separate HF projections."""
+    return TensorMapping((hf_gate, hf_up), (megatron_fc1,), lambda gate, up: torch.cat((gate, up)), _halves)
+
+
+def _halves(fused: Tensor) -> Tuple[Tensor, ...]:
+    return tuple(torch.chunk(fused, 2, dim=0))
+
+
+def one_to_one(hf: str, megatron: str) -> TensorMapping:
+    return TensorMapping((hf,), (megatron,))
+
+
+def attention_mappings(hf: str, megatron: str, config: TransformerConfig, keys_are_values: bool = False) -> List[TensorMapping]:
+    """A transformers ``self_attn`` (q/k/v/o projections, q/k norms) <-> Megatron's ``self_attention``.
+
+    config: the layer's ``TransformerConfig`` (its head dim and key/value heads). keys_are_values:
+    the layer has no value projection (Gemma 4's ``attention_k_eq_v``).
+    """
+    groups, head_dim = config.num_query_groups, config.kv_channels
+    projections = ("q_proj", "k_proj") if keys_are_values else ("q_proj", "k_proj", "v_proj")
+    rows = (config.num_attention_heads // groups * head_dim,) + (head_dim,) * (len(projections) - 1)
+    mappings = [
+        TensorMapping(
+            tuple(f"{hf}{p}.{kind}" for p in projections),
+            (f"{megatron}linear_qkv.{kind}",),
+            partial(interleave_query_groups, groups),
+            partial(split_query_groups, num_query_groups=groups, rows_per_group=rows),
+        )
+        for kind in (("weight", "bias") if config.add_qkv_bias else ("weight",))
+    ]
+    return mappings + [
+        one_to_one(hf + "o_proj.weight", megatron + "linear_proj.weight"),
+        one_to_one(hf + "q_norm.weight", megatron + "q_layernorm.weight"),
+        one_to_one(hf + "k_norm.weight", megatron + "k_layernorm.weight"),
+    ]
 
 
 def card_field(card: ModelCard, key: str, default: Any = _REQUIRED) -> Any:

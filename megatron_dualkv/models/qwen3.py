@@ -9,12 +9,23 @@ exp(l_i) / sum_topk exp(l_j)``.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .cards import ModelCard
-from .family import ModelFamily, card_field
+from .family import (
+    ModelFamily,
+    StateDictMapping,
+    TensorMapping,
+    attention_mappings,
+    card_field,
+    gated_mlp_mapping,
+    one_to_one,
+)
 
 
 def qwen3_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
@@ -106,5 +117,80 @@ def _moe_layer_pattern(card: ModelCard, num_layers: int) -> List[int]:
     return [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
 
 
-QWEN3 = ModelFamily("qwen3", qwen3_transformer_config_kwargs, qwen3_gpt_model_kwargs)
-QWEN3_MOE = ModelFamily("qwen3_moe", qwen3_moe_transformer_config_kwargs, qwen3_gpt_model_kwargs)
+def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts_one_by_one: bool = False) -> StateDictMapping:
+    """transformers' ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` state dict <-> ours.
+
+    MoE experts: transformers 5 keeps them fused per layer (``experts.gate_up_proj`` ``[E, 2I, h]``,
+    ``experts.down_proj`` ``[E, h, I]``); ours are Megatron's ``SequentialMLP`` experts.
+    experts_one_by_one: name the experts as the published safetensors files (and ``save_pretrained``)
+    do, ``mlp.experts.<e>.{gate,up,down}_proj.weight``.
+    """
+    if config.num_moe_experts and config.moe_grouped_gemm:
+        raise NotImplementedError(
+            "the Qwen3-MoE state-dict mapping names SequentialMLP experts; build the model with moe_grouped_gemm=False"
+        )
+    moe_layers = _moe_layers(config)
+    mappings = [
+        one_to_one("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        one_to_one("model.norm.weight", "decoder.final_layernorm.weight"),
+    ]
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
+        mappings += attention_mappings(hf + "self_attn.", ours + "self_attention.", config)
+        mappings += [
+            one_to_one(hf + "input_layernorm.weight", ours + "input_layernorm.weight"),
+            one_to_one(hf + "post_attention_layernorm.weight", ours + "pre_mlp_layernorm.weight"),
+        ]
+        if moe_layers[i]:
+            mappings += _moe_mappings(hf + "mlp.", ours + "mlp.", config, experts_one_by_one)
+        else:
+            mappings += _mlp_mappings(hf + "mlp.", ours + "mlp.")
+    tied = card_field(card, "tie_word_embeddings", False)
+    if not tied:
+        mappings.append(one_to_one("lm_head.weight", "output_layer.weight"))
+    return StateDictMapping(tuple(mappings), {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+
+
+def _moe_layers(config: TransformerConfig) -> List[int]:
+    """1 per MoE layer, from ``moe_layer_freq`` (a pattern, or every n-th layer as Megatron reads an int)."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+
+
+def _mlp_mappings(hf: str, ours: str) -> List[TensorMapping]:
+    """A transformers SwiGLU MLP (gate/up/down projections) <-> a Megatron ``MLP``."""
+    return [
+        gated_mlp_mapping(hf + "gate_proj.weight", hf + "up_proj.weight", ours + "linear_fc1.weight"),
+        one_to_one(hf + "down_proj.weight", ours + "linear_fc2.weight"),
+    ]
+
+
+def _moe_mappings(hf: str, ours: str, config: TransformerConfig, experts_one_by_one: bool) -> List[TensorMapping]:
+    experts = range(config.num_moe_experts)
+    router = one_to_one(hf + "gate.weight", ours + "router.weight")
+    if experts_one_by_one:
+        return [router] + [m for e in experts for m in _mlp_mappings(f"{hf}experts.{e}.", f"{ours}experts.local_experts.{e}.")]
+    per_expert = lambda name: tuple(f"{ours}experts.local_experts.{e}.{name}.weight" for e in experts)  # noqa: E731
+    return [
+        router,
+        TensorMapping((hf + "experts.gate_up_proj",), per_expert("linear_fc1"), torch.unbind, _stack),
+        TensorMapping((hf + "experts.down_proj",), per_expert("linear_fc2"), torch.unbind, _stack),
+    ]
+
+
+def _stack(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.stack(tensors)
+
+
+QWEN3 = ModelFamily(
+    "qwen3", qwen3_transformer_config_kwargs, qwen3_gpt_model_kwargs, hf_mapping=qwen3_state_dict_mapping
+)
+QWEN3_MOE = ModelFamily(
+    "qwen3_moe",
+    qwen3_moe_transformer_config_kwargs,
+    qwen3_gpt_model_kwargs,
+    hf_mapping=qwen3_state_dict_mapping,
+    hf_file_mapping=partial(qwen3_state_dict_mapping, experts_one_by_one=True),
+)

@@ -6,6 +6,8 @@ a sum of exponentials and (for entropy) a sum of ``exp * logit``, plus the targe
 target falls in its shard; all-reduces over the tensor-parallel group combine them. The sums go
 through ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward): the
 loss is replicated on every TP rank, so each rank's shard receives exactly its own gradient.
+Context parallelism (each rank holds the logits of a slice of the packed tokens) gathers the
+per-token results the same way over the context-parallel group.
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_regi
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
+from ..mcore.context_parallel import context_parallel_size, context_parallel_slice
 from ..mcore.packed_seq_params import DualKVPackedSeqParams
+from ..mcore.parallel import current_parallel_sizes
 from ..packing import PackedBatch
 from .responses import ResponseTokens
 
@@ -67,32 +71,40 @@ def response_logprobs(model, batch: PackedBatch, layout: str = "packed", with_en
     ``layout="packed"`` runs the packed micro-batch with DualKV attention; ``"replicated"`` runs the
     standard layout (each response after its own prompt copy, right-padded ``[b, s]`` batch, plain
     causal attention by Megatron's ``DotProductAttention``): the baseline and equivalence oracle.
+    One direct call of ``model``: the whole model on this rank (no pipeline parallelism).
     """
-    logits, targets = model_logits_and_targets(model, batch, layout)
-    return logprobs_from_logits(model, logits, targets, with_entropy)
+    return logprobs_from_output(model, batch, model_output(model, batch, layout), layout, with_entropy)
 
 
-def model_logits_and_targets(model, batch: PackedBatch, layout: str) -> Tuple[Tensor, Tensor]:
-    """Run ``model`` on ``batch``; the (N, V/tp) predicting logits and (N,) targets of the response tokens."""
+def model_output(model, batch: PackedBatch, layout: str) -> Tensor:
+    """Run ``model`` (one pipeline chunk) on ``batch``: the logits on the last pipeline stage, the
+    hidden states for the next stage on the others. Under context parallelism the model runs on
+    this rank's slice of the packed tokens."""
     _check_batch(model, batch, layout)
     if layout == "packed":
-        return _packed_logits_and_targets(model, batch)
-    return _replicated_logits_and_targets(model, batch)
+        return _packed_output(model, batch)
+    return _replicated_output(model, batch)
 
 
-def logprobs_from_logits(model, logits: Tensor, targets: Tensor, with_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    tp_group = get_attr_wrapped_model(model, "pg_collection").tp
-    return vocab_parallel_logprobs(logits, targets.to(logits.device), tp_group, with_entropy)
+def logprobs_from_output(model, batch: PackedBatch, logits: Tensor, layout: str, with_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """Flat (N,) response-token log-probs (and entropies) from the last stage's ``model_output``.
 
-
-def forward_logprobs(model, batch: PackedBatch, layout: str = "packed") -> List[List[Tensor]]:
-    """Per group, per response, the (R_i,) float32 log-probs of the response tokens under ``model``.
-
-    Differentiable (runs under the caller's grad mode). ``layout``: "packed" (DualKV attention) or
-    "replicated" (the standard layout: the baseline and equivalence oracle).
+    Under context parallelism every rank has the logits of its own token slice: it computes the
+    response tokens whose predicting position lies there, and a sum over the CP ranks (forward;
+    identity backward, as the loss that follows is the same on every rank) gives each rank all N.
     """
-    logprobs, _ = response_logprobs(model, batch, layout)
-    return ResponseTokens.from_layout(batch.layout).split(logprobs)
+    index = None
+    if layout == "packed":
+        predicting, targets, index = _packed_predictions(model, batch, logits)
+    else:
+        predicting, targets = _replicated_predictions(batch, logits)
+    tp_group = get_attr_wrapped_model(model, "pg_collection").tp
+    logprobs, entropy = vocab_parallel_logprobs(predicting, targets.to(logits.device), tp_group, with_entropy)
+    if index is None:
+        return logprobs, entropy
+    cp_group = get_attr_wrapped_model(model, "context_parallel_group")
+    num_tokens = ResponseTokens.from_layout(batch.layout).num_tokens
+    return tuple(None if x is None else _gather_over_context_parallel(x, index, num_tokens, cp_group) for x in (logprobs, entropy))
 
 
 def _check_batch(model, batch, layout: str) -> None:
@@ -104,47 +116,87 @@ def _check_batch(model, batch, layout: str) -> None:
     largest = int(batch.tokens.max())
     if largest >= vocab_size:
         raise ValueError(f"token id {largest} is outside the model's vocabulary of {vocab_size}")
+    sizes = current_parallel_sizes(get_attr_wrapped_model(model, "config"))
+    if layout == "replicated" and sizes.cp > 1:
+        raise NotImplementedError(
+            "the replicated layout runs Megatron's DotProductAttention, which has no context parallelism; "
+            "run the baseline with cp=1"
+        )
+    if layout == "packed" and batch.num_tokens % sizes.token_multiple:
+        raise ValueError(
+            f"the micro-batch has {batch.num_tokens} packed tokens, not a multiple of {sizes.token_multiple} "
+            f"(context parallelism x sequence parallelism of {sizes}); pack it with "
+            f"pack_groups(..., pad_to_multiple_of={sizes.token_multiple})"
+        )
 
 
 def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _packed_logits_and_targets(model, batch: PackedBatch) -> Tuple[Tensor, Tensor]:
+def _packed_output(model, batch: PackedBatch) -> Tensor:
     device = _model_device(model)
     batch = batch.to(device)
-    tokens = ResponseTokens.from_layout(batch.layout)
     padding = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
     padding[batch.num_tokens - batch.layout.pad_len :] = True
-    logits = model(
+    return model(
         input_ids=batch.tokens.unsqueeze(0),
         position_ids=batch.position_ids.unsqueeze(0),
         attention_mask=None,
         packed_seq_params=DualKVPackedSeqParams.from_layout(batch.layout),
         padding_mask=padding.unsqueeze(0),
-    )[0]
-    return logits[tokens.predictor_index.to(device)], batch.tokens[tokens.token_index.to(device)]
+    )
 
 
-def _replicated_logits_and_targets(model, batch: PackedBatch) -> Tuple[Tensor, Tensor]:
-    """Each response after its own prompt copy, right-padded to ``[b, s]``; standard next-token shift."""
+def _packed_predictions(model, batch: PackedBatch, logits: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(rows of ``logits`` [1, T/cp, V/tp] that predict response tokens, their targets, and the
+    flat response-token index of each row under context parallelism, else None)."""
+    tokens = ResponseTokens.from_layout(batch.layout)
+    cp_group = get_attr_wrapped_model(model, "context_parallel_group")
+    if context_parallel_size(cp_group) == 1:
+        return logits[0, tokens.predictor_index.to(logits.device)], batch.tokens[tokens.token_index], None
+    local = context_parallel_slice(batch.num_tokens, cp_group)
+    index = torch.nonzero((tokens.predictor_index >= local.start) & (tokens.predictor_index < local.stop)).squeeze(1)
+    rows = tokens.predictor_index[index] - local.start
+    return logits[0, rows.to(logits.device)], batch.tokens[tokens.token_index[index]], index.to(logits.device)
+
+
+def _gather_over_context_parallel(values: Tensor, index: Tensor, num_tokens: int, cp_group) -> Tensor:
+    """This rank's ``values`` at flat positions ``index`` -> all ``num_tokens`` values, on every CP rank."""
+    mine = values.new_zeros(num_tokens).index_add(0, index, values)
+    return reduce_from_tensor_model_parallel_region(mine, group=cp_group)
+
+
+def _replicated_sequences(batch: PackedBatch) -> List[Tuple[int, int]]:
+    return [(p, r) for p, rs in zip(batch.layout.prompt_lens, batch.layout.response_lens) for r in rs]
+
+
+def _replicated_output(model, batch: PackedBatch) -> Tensor:
+    """Each response after its own prompt copy, right-padded to ``[b, s]`` (s a multiple of the
+    sequence-parallel split)."""
     device = _model_device(model)
-    sequences = [(p, r) for p, rs in zip(batch.layout.prompt_lens, batch.layout.response_lens) for r in rs]
+    sequences = _replicated_sequences(batch)
     rep = batch.replicated()
-    longest = max(p + r for p, r in sequences)
+    multiple = current_parallel_sizes(get_attr_wrapped_model(model, "config")).token_multiple
+    longest = -(-max(p + r for p, r in sequences) // multiple) * multiple
     input_ids = torch.zeros(len(sequences), longest, dtype=torch.long)
     padding = torch.ones(len(sequences), longest, dtype=torch.bool)
     for row, seq in enumerate(rep.split(rep.tokens)):
         input_ids[row, : len(seq)] = seq
         padding[row, : len(seq)] = False
     input_ids, padding = input_ids.to(device), padding.to(device)
-    logits = model(
+    return model(
         input_ids=input_ids,
         position_ids=torch.arange(longest, device=device).expand(len(sequences), longest),
         attention_mask=None,
         padding_mask=padding,
     )
-    # logits[:, j] predict input_ids[:, j + 1]; a response occupies columns p .. p+r-1.
+
+
+def _replicated_predictions(batch: PackedBatch, logits: Tensor) -> Tuple[Tensor, Tensor]:
+    """logits[:, j] predict token j + 1 of a sequence; a response occupies columns p .. p+r-1."""
+    rep = batch.replicated()
+    sequences = _replicated_sequences(batch)
     rows = [logits[row, p - 1 : p - 1 + r] for row, (p, r) in enumerate(sequences)]
-    targets = [input_ids[row, p : p + r] for row, (p, r) in enumerate(sequences)]
+    targets = [seq[p : p + r] for seq, (p, r) in zip(rep.split(rep.tokens), sequences)]
     return torch.cat(rows), torch.cat(targets)

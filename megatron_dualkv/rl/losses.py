@@ -12,6 +12,13 @@ GRPO: symmetric clip, optional KL, "sequence-mean" aggregation (mean over each r
 tokens, then over the micro-batch's responses). DAPO: asymmetric clip (eps_high > eps_low,
 "clip-higher"), no KL by default, "token-mean" aggregation (all response tokens of the
 micro-batch weigh the same, so long responses are not down-weighted).
+
+Both divide by the micro-batch's own count (responses, or response tokens) unless given a
+``normalizer``: then the sum is divided by it. One batch split over several micro-batches (and DP
+ranks) accumulates exactly the gradient of the whole batch when the normaliser is the whole
+batch's count over (micro-batches x DP ranks), because Megatron's schedule divides every
+micro-batch loss by the number of micro-batches and DDP averages over DP ranks
+(``MicroBatchPlan.loss_normalizer`` computes it).
 """
 from __future__ import annotations
 
@@ -78,8 +85,13 @@ def clipped_policy_loss(
     aggregation: str,
     ref_logprobs: Optional[Tensor] = None,
     kl_coef: float = 0.0,
+    normalizer: Optional[float] = None,
 ) -> PolicyLossOutput:
-    """The clipped surrogate of the module docstring; shared by ``GRPOLoss`` and ``DAPOLoss``."""
+    """The clipped surrogate of the module docstring; shared by ``GRPOLoss`` and ``DAPOLoss``.
+
+    normalizer: None for the mean over this micro-batch; else the sum (of token losses for
+    "token-mean", of per-response mean token losses for "sequence-mean") divided by it.
+    """
     _check_inputs(logprobs, old_logprobs, advantages, tokens, aggregation, ref_logprobs, kl_coef)
     device = logprobs.device
     token_advantage = advantages.to(device, torch.float32)[tokens.response_id.to(device)]
@@ -98,10 +110,8 @@ def clipped_policy_loss(
         token_loss = token_loss + kl_coef * kl
         metrics["kl"] = tokens.response_mean(kl.detach())
     metrics["loss"] = tokens.response_mean(token_loss.detach())
-    if aggregation == "token-mean":
-        loss = token_loss.mean()
-    else:
-        loss = tokens.response_mean(token_loss).mean()
+    terms = token_loss if aggregation == "token-mean" else tokens.response_mean(token_loss)
+    loss = terms.mean() if normalizer is None else terms.sum() / normalizer
     return PolicyLossOutput(loss, {name: tokens.split_groups(value) for name, value in metrics.items()})
 
 
@@ -112,6 +122,7 @@ class _GroupRelativeClippedLoss:
     aggregation: str
     kl_coef: float
     advantage_eps: float
+    normalizer: Optional[float]
 
     def __post_init__(self):
         low, high = self.clip_range
@@ -119,6 +130,8 @@ class _GroupRelativeClippedLoss:
             raise ValueError(f"{type(self).__name__}: clip eps must satisfy 0 <= eps_low < 1 and eps_high >= 0, got {self.clip_range}")
         if self.kl_coef < 0 or self.advantage_eps < 0:
             raise ValueError(f"{type(self).__name__}: kl_coef and advantage_eps must be >= 0")
+        if self.normalizer is not None and not self.normalizer > 0:
+            raise ValueError(f"{type(self).__name__}: normalizer must be > 0 (or None), got {self.normalizer!r}")
 
     def advantages(self, rewards: Sequence[Tensor]) -> Tensor:
         """Flat (num_responses,) group-normalised advantages of per-group rewards."""
@@ -130,19 +143,22 @@ class _GroupRelativeClippedLoss:
     ) -> PolicyLossOutput:
         low, high = self.clip_range
         return clipped_policy_loss(
-            logprobs, old_logprobs, advantages, tokens, low, high, self.aggregation, ref_logprobs, self.kl_coef
+            logprobs, old_logprobs, advantages, tokens, low, high, self.aggregation, ref_logprobs, self.kl_coef,
+            self.normalizer,
         )
 
 
 @dataclass(frozen=True)
 class GRPOLoss(_GroupRelativeClippedLoss):
     """GRPO: group-normalised advantages, symmetric ratio clip, optional k3 KL to a reference policy,
-    sequence-mean then batch-mean aggregation (``aggregation="token-mean"`` is available)."""
+    sequence-mean then batch-mean aggregation (``aggregation="token-mean"`` is available);
+    ``normalizer``: see the module docstring."""
 
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     advantage_eps: float = 1e-6
     aggregation: str = "sequence-mean"
+    normalizer: Optional[float] = None
 
     @property
     def clip_range(self):
@@ -151,12 +167,14 @@ class GRPOLoss(_GroupRelativeClippedLoss):
 
 @dataclass(frozen=True)
 class DAPOLoss(_GroupRelativeClippedLoss):
-    """DAPO: group-normalised advantages, asymmetric clip (clip-higher), token-level aggregation."""
+    """DAPO: group-normalised advantages, asymmetric clip (clip-higher), token-level aggregation;
+    ``normalizer``: see the module docstring."""
 
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
     kl_coef: float = 0.0
     advantage_eps: float = 1e-6
+    normalizer: Optional[float] = None
     aggregation: ClassVar[str] = "token-mean"
 
     @property

@@ -4,20 +4,27 @@
 scaling over micro-batches, DDP gradient-sync deferral and the MoE auxiliary-loss scale behave as
 in any Megatron training step; ``rl_forward_step`` is the matching Megatron ``forward_step_func``
 for loops that call the schedule themselves.
+
+Whatever the parallel layout, every rank gets the full per-response results: under context
+parallelism the per-token log-probs are gathered over the CP ranks (``logprobs``), under pipeline
+parallelism the last stage's results are broadcast to the other stages.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
+from ..layout import DualKVLayout
 from ..packing import PackedBatch
-from .logprobs import LAYOUTS, logprobs_from_logits, model_logits_and_targets
+from .logprobs import LAYOUTS, logprobs_from_output, model_output, response_logprobs
 from .losses import PolicyLoss
 from .responses import ResponseTokens
 
@@ -55,7 +62,8 @@ def rl_forward_step(loss_fn: Optional[PolicyLoss] = None, layout: str = "packed"
     """A Megatron ``forward_step_func(data_iterator, model)`` over ``RLMicroBatch`` items.
 
     Its loss function returns ``(loss, RLStepOutput)``: Megatron's schedule divides the loss by the
-    number of micro-batches, backpropagates it unless ``forward_only``, and collects the outputs.
+    number of micro-batches, backpropagates it unless ``forward_only``, and collects the outputs
+    (under pipeline parallelism on the last stage only; ``forward_backward`` broadcasts them).
     Without ``loss_fn`` the loss is 0 and only log-probs are produced.
     """
     if layout not in LAYOUTS:
@@ -63,10 +71,29 @@ def rl_forward_step(loss_fn: Optional[PolicyLoss] = None, layout: str = "packed"
 
     def forward_step(data_iterator: Iterator[RLMicroBatch], model):
         micro_batch = _checked(next(data_iterator))
-        logits, targets = model_logits_and_targets(model, micro_batch.batch, layout)
-        return logits, partial(_policy_loss, model, micro_batch, targets, loss_fn, with_entropy)
+        output = model_output(model, micro_batch.batch, layout)
+        return output, partial(_policy_loss, model, micro_batch, layout, loss_fn, with_entropy)
 
     return forward_step
+
+
+def forward_logprobs(model, batch: PackedBatch, layout: str = "packed") -> List[List[Tensor]]:
+    """Per group, per response, the (R_i,) float32 log-probs of the response tokens under ``model``.
+
+    ``layout``: "packed" (DualKV attention) or "replicated" (the standard layout: the baseline and
+    equivalence oracle). Differentiable (runs under the caller's grad mode), except under pipeline
+    parallelism: there it runs Megatron's schedule forward-only (``forward_backward`` without a
+    loss), and every stage returns the last stage's result.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        logprobs, _ = response_logprobs(model, batch, layout)
+        return ResponseTokens.from_layout(batch.layout).split(logprobs)
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size():
+        raise ValueError(
+            "the interleaved pipeline schedule runs at least pp micro-batches together: collect log-probs with "
+            "forward_backward(model, [RLMicroBatch(batch) for batch in batches])"
+        )
+    return forward_backward(model, [RLMicroBatch(batch)], layout=layout)[0].logprobs
 
 
 def forward_backward(
@@ -79,28 +106,82 @@ def forward_backward(
 ) -> List[RLStepOutput]:
     """Forward ``micro_batches`` through ``model`` and, with ``loss_fn``, backpropagate its loss.
 
-    model: a model from ``build_model`` (optionally wrapped in Megatron's DDP / Float16Module).
+    model: a model from ``build_model`` (optionally wrapped in Megatron's DDP / Float16Module), or
+        its list of model chunks under interleaved pipeline parallelism.
     loss_fn: ``GRPOLoss(...)``, ``DAPOLoss(...)`` or any ``PolicyLoss``; every
         micro-batch then needs ``old_logprobs``. Gradients of ``mean over micro-batches of the
         loss`` accumulate in the parameters (``.grad``, or DDP's ``main_grad``); the optimizer step
         is the caller's. Without ``loss_fn`` nothing is backpropagated and no graph is kept.
     layout: "packed" (DualKV attention) or "replicated" (standard layout baseline).
-    Returns one ``RLStepOutput`` per micro-batch, in order.
+    Returns one ``RLStepOutput`` per micro-batch, in order, on every rank.
     """
     micro_batches = [_checked(mb) for mb in micro_batches]
     if not micro_batches:
         raise ValueError("forward_backward: no micro-batches given")
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size():
+        micro_batches = _same_length(micro_batches, layout)
     forward_only = loss_fn is None
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        return get_forward_backward_func()(
+        outputs = get_forward_backward_func()(
             forward_step_func=rl_forward_step(loss_fn, layout, with_entropy),
-            data_iterator=iter(micro_batches),
-            model=[model],
+            # every model chunk (virtual pipeline stage) walks through the same micro-batches
+            data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches),
+            model=list(chunks),
             num_microbatches=len(micro_batches),
             seq_length=max(mb.batch.num_tokens for mb in micro_batches),
             micro_batch_size=1,
             forward_only=forward_only,
         )
+    return _from_last_pipeline_stage(outputs, next(chunks[0].parameters()).device)
+
+
+def _same_length(micro_batches: List[RLMicroBatch], layout: str) -> List[RLMicroBatch]:
+    """The micro-batches padded to the longest one's token count.
+
+    Megatron-Core 0.16.1's interleaved schedule deadlocks in its variable-sequence-length
+    exchange (each p2p call first swaps shapes, and its calls do not pair up one-to-one between
+    stages), so the interleaved schedule exchanges one fixed shape (``ParallelSizes`` turns
+    ``variable_seq_lengths`` off) and the packed micro-batches get more padding instead, which is
+    its own segment and leaves every result unchanged.
+    """
+    if layout != "packed":
+        raise NotImplementedError("the interleaved pipeline schedule runs the packed layout only (fixed-shape stage exchange)")
+    longest = max(mb.batch.num_tokens for mb in micro_batches)
+    return [replace(mb, batch=_padded(mb.batch, longest)) for mb in micro_batches]
+
+
+def _padded(batch: PackedBatch, num_tokens: int) -> PackedBatch:
+    extra = num_tokens - batch.num_tokens
+    if not extra:
+        return batch
+    layout = batch.layout
+    longer = DualKVLayout(layout.prompt_lens, layout.response_lens, layout.pad_len + extra, layout.device)
+    return PackedBatch(torch.cat([batch.tokens, batch.tokens.new_zeros(extra)]), longer, batch.rewards)
+
+
+def _from_last_pipeline_stage(outputs: List[RLStepOutput], device: torch.device) -> List[RLStepOutput]:
+    """The last pipeline stage's outputs on every stage (Megatron's schedule returns them there only)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return outputs
+    payload = [[_moved(output, "cpu") for output in outputs]]
+    dist.broadcast_object_list(
+        payload, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return [_moved(output, device) for output in payload[0]]
+
+
+def _moved(output: RLStepOutput, device) -> RLStepOutput:
+    def nested(values):
+        return None if values is None else [[x.to(device) for x in group] for group in values]
+
+    return RLStepOutput(
+        logprobs=nested(output.logprobs),
+        entropy=nested(output.entropy),
+        loss=None if output.loss is None else output.loss.to(device),
+        metrics={name: [x.to(device) for x in values] for name, values in output.metrics.items()},
+    )
 
 
 def _checked(micro_batch) -> RLMicroBatch:
@@ -109,9 +190,9 @@ def _checked(micro_batch) -> RLMicroBatch:
     return micro_batch
 
 
-def _policy_loss(model, micro_batch: RLMicroBatch, targets: Tensor, loss_fn, with_entropy: bool, logits: Tensor):
+def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, logits: Tensor):
     tokens = ResponseTokens.from_layout(micro_batch.batch.layout)
-    logprobs, entropy = logprobs_from_logits(model, logits, targets, with_entropy)
+    logprobs, entropy = logprobs_from_output(model, micro_batch.batch, logits, layout, with_entropy)
     output = RLStepOutput(logprobs=tokens.split(logprobs.detach()))
     if entropy is not None:
         output.entropy = tokens.split(entropy.detach())

@@ -1,0 +1,50 @@
+"""``SequenceParallelTorchNorm``: Megatron's torch-native norm, also under sequence parallelism.
+
+Megatron's ``WrappedTorchNorm`` (the local spec's LayerNorm/RMSNorm) asserts
+``not config.sequence_parallel``, although a norm is per token and runs unchanged on the token
+slice that sequence parallelism leaves on each tensor-parallel rank. What SP does need is the
+gradient of the (replicated) norm weights summed over the tensor-parallel group, since every rank
+only sees its own tokens: Megatron's ``finalize_model_grads`` does that for every parameter marked
+``sequence_parallel`` (as its Transformer Engine and apex norms mark theirs).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import fields, is_dataclass, replace
+from typing import Any
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SequenceParallelTorchNorm(WrappedTorchNorm):
+    """``WrappedTorchNorm`` (torch ``LayerNorm``/``RMSNorm``) whose parameters are marked
+    ``sequence_parallel`` under sequence parallelism; identical to it otherwise."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        # Megatron's other checks (zero-centred gamma, persistent norm, ...) still apply.
+        without_sp = copy.copy(config)
+        without_sp.sequence_parallel = False
+        norm = super().__new__(cls, without_sp, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def with_sequence_parallel_torch_norms(spec: Any) -> Any:
+    """``spec`` (a ``ModuleSpec``, a submodules dataclass, or a list of them) with every
+    ``WrappedTorchNorm`` replaced by ``SequenceParallelTorchNorm``."""
+    if spec is WrappedTorchNorm:
+        return SequenceParallelTorchNorm
+    if isinstance(spec, list):
+        return [with_sequence_parallel_torch_norms(s) for s in spec]
+    if isinstance(spec, ModuleSpec):
+        return replace(
+            spec,
+            module=with_sequence_parallel_torch_norms(spec.module),
+            submodules=with_sequence_parallel_torch_norms(spec.submodules),
+        )
+    if is_dataclass(spec) and not isinstance(spec, type):
+        return replace(spec, **{f.name: with_sequence_parallel_torch_norms(getattr(spec, f.name)) for f in fields(spec) if f.init})
+    return spec

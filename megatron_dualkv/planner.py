@@ -1,0 +1,399 @@
+"""Micro-batch planning for packed GRPO/DAPO rollouts: ``plan_micro_batches(groups, max_tokens, dp_size)``.
+
+A group's responses stay with their prompt: the prompt is then computed once for all of them.
+A group longer than the token budget is split into sub-groups that each carry the prompt. That
+is still exact: DualKV attention makes a response's states depend on its prompt and itself only,
+so a response computes the same log-probs in any sub-group. What must not be split is anything
+that mixes responses: GRPO's group-normalised advantages. Compute them on the whole input (one
+flat value per response) and hand each micro-batch its share with
+``PlannedMicroBatch.select_responses``.
+
+Cost model (what is balanced): the forward FLOPs of a (sub-)group in units of one token through
+the linear layers,
+
+    cost = tokens + attention_weight * attention_pairs
+
+where ``attention_pairs`` counts the causal (query, key) pairs DualKV attention computes (a
+response sees its prompt and itself) and ``attention_weight`` is the forward FLOPs of one pair
+over those of one token, ``4 * heads * head_dim / (2 * matmul parameters per token)``: 3.9e-5 for
+Qwen3-8B, 1.3e-4 for Qwen3-30B-A3B (``CostModel.from_config(config, vocab).attention_weight``
+computes it for a model). The default, 2**-14 = 6.1e-5, lies between the two.
+
+Algorithm (deterministic):
+
+1. Items: every group that fits ``max_tokens`` is one item; a larger group is split into the
+   fewest sub-groups that fit, as found by the greedy packing of step 3. While there are fewer
+   items than DP ranks, the costliest item with two or more responses is split in two halves
+   (one more prompt computed, instead of a rank with nothing to do).
+2. Ranks: items go to DP ranks by longest-processing-time-first (costliest item to the least
+   loaded rank). Guarantee: the costliest rank is at most ``total / dp_size + max item cost``,
+   i.e. at most twice the ideal (the ideal being at least both terms).
+3. Micro-batches: every rank gets the same number ``M`` of micro-batches (Megatron's schedule,
+   pipeline and expert-parallel collectives need each rank to run the same number): ``M`` is the
+   smallest count for which every rank's items fit the budget, each item going to its rank's
+   cheapest micro-batch that still has room (or, when that spreads items so that one finds no
+   room, first-fit decreasing by tokens, which packs tighter). A rank with fewer items than ``M``
+   gets *padding* micro-batches: ``pack()`` turns one into a dummy group of a 1-token prompt and a 1-token
+   response, and ``select_responses`` gives that response 0. With advantage 0 the clipped policy
+   term and its gradient are exactly 0; a KL term also vanishes when the dummy's reference
+   log-probs are its own current ones (MoE load-balancing losses do see the dummy's two tokens).
+
+Normalisation: Megatron's schedule divides each micro-batch loss by ``M`` and DDP averages
+gradients over DP ranks, so a loss that divides by its micro-batch's own count is not the loss of
+the whole batch. ``MicroBatchPlan.loss_normalizer(aggregation)`` is the divisor that makes the
+accumulated gradient exactly that of the whole batch (``GRPOLoss(normalizer=...)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .layout import DualKVLayout
+from .packing import PackedBatch, RolloutGroup, pack_groups
+
+DEFAULT_ATTENTION_WEIGHT = 2.0**-14
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Forward FLOPs of a model on a packed layout: ``token_flops`` per token plus ``pair_flops``
+    per attention (query, key) pair (both summed over layers).
+
+    Counted: the matmuls (QKV and output projections, MLP or routed and shared experts with the
+    router, the output layer over every token) and attention's two matmuls, 4 * heads * head_dim
+    per pair; not counted: norms, RoPE, softmax, embeddings lookups. Sliding windows are ignored
+    (full causal pairs). A training step (forward + backward) is 3x the forward.
+    """
+
+    token_flops: float
+    pair_flops: float
+
+    @classmethod
+    def from_config(cls, config, vocab_size: int) -> "CostModel":
+        """From a Megatron ``TransformerConfig`` (and the vocabulary size of the output layer)."""
+        h, d = config.hidden_size, config.kv_channels
+        heads, kv_heads = config.num_attention_heads, config.num_query_groups
+        mlp_matrices = 3 if config.gated_linear_unit else 2
+        attention = 2 * h * d * (2 * heads + 2 * kv_heads)
+        dense_mlp = 2 * h * config.ffn_hidden_size * mlp_matrices
+        moe_layers = _moe_layer_count(config)
+        if moe_layers:
+            shared = config.moe_shared_expert_intermediate_size or 0
+            moe_mlp = 2 * h * (config.num_moe_experts + (config.moe_router_topk * config.moe_ffn_hidden_size + shared) * mlp_matrices)
+        else:
+            moe_mlp = 0
+        layers = config.num_layers
+        token_flops = layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp + 2 * h * vocab_size
+        return cls(token_flops=float(token_flops), pair_flops=float(layers * 4 * heads * d))
+
+    @property
+    def attention_weight(self) -> float:
+        """The planner's weight of an attention pair against a token."""
+        return self.pair_flops / self.token_flops
+
+    def layout_flops(self, layout: DualKVLayout) -> float:
+        """Forward FLOPs of the tokens and attention pairs of ``layout``, padding excluded."""
+        pad = layout.pad_len
+        pairs = layout.attention_pairs() - pad * (pad + 1) // 2
+        return self.token_flops * (layout.total_tokens - pad) + self.pair_flops * pairs
+
+
+def _moe_layer_count(config) -> int:
+    """Layers with experts, as Megatron reads ``moe_layer_freq`` (every k-th layer, or a 0/1 list)."""
+    if not config.num_moe_experts:
+        return 0
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return sum(1 for i in range(config.num_layers) if i % freq == 0)
+    return sum(freq)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A group or a sub-group: the prompt of ``group`` with the responses ``responses`` (indices)."""
+
+    group: int
+    responses: Tuple[int, ...]
+    tokens: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class PlannedMicroBatch:
+    """One micro-batch of a plan: (sub-)groups of the input groups, each with its whole prompt.
+
+    groups:           the ``RolloutGroup`` s to pack: an input group's prompt with all or some of
+                      its responses (and their rewards); empty for a padding micro-batch
+    source_groups:    for each of ``groups``, its index in the planner's input
+    source_responses: for each of ``groups``, the indices of its responses in that input group
+    response_index:   (num_responses,) int64: where each response of the micro-batch (packed
+                      order) sits in the flat response order of the whole input (group by group,
+                      response by response)
+    num_tokens:       packed tokens (prompts counted once per sub-group; before any padding)
+    cost:             estimated cost (module docstring)
+    """
+
+    groups: Tuple[RolloutGroup, ...]
+    source_groups: Tuple[int, ...]
+    source_responses: Tuple[Tuple[int, ...], ...]
+    response_index: torch.Tensor
+    num_tokens: int
+    cost: float
+
+    @property
+    def is_padding(self) -> bool:
+        return not self.groups
+
+    def pack(self, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
+        """``pack_groups`` of this micro-batch; a padding micro-batch packs as one dummy group of
+        ``pad_token_id`` (1-token prompt, 1-token response, reward 0)."""
+        groups = self.groups or (RolloutGroup([pad_token_id], [[pad_token_id]], rewards=[0.0]),)
+        return pack_groups(groups, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id)
+
+    def select_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """(num input responses, ...) values of the whole input -> this micro-batch's rows, packed order.
+
+        For advantages computed on whole groups. A padding micro-batch gets one zero row (its dummy response).
+        """
+        if self.is_padding:
+            return values.new_zeros((1, *values.shape[1:]))
+        return values[self.response_index.to(values.device)]
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Micro-batches per data-parallel rank: ``ranks[dp_rank][i]``; every rank has ``num_micro_batches``.
+
+    num_responses / response_tokens: responses and response tokens of the whole input.
+    rollout_tokens: tokens of the replicated layout (every response with its own prompt copy).
+    packed_tokens:  tokens of all real micro-batches (a prompt once per sub-group).
+    """
+
+    ranks: Tuple[Tuple[PlannedMicroBatch, ...], ...]
+    num_responses: int
+    response_tokens: int
+    rollout_tokens: int
+    packed_tokens: int
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.ranks[0])
+
+    @property
+    def rho(self) -> float:
+        """Token reduction of the plan over the replicated layout (split prompts count each time)."""
+        return self.rollout_tokens / self.packed_tokens
+
+    @property
+    def rank_costs(self) -> List[float]:
+        return [sum(mb.cost for mb in micro_batches) for micro_batches in self.ranks]
+
+    def loss_normalizer(self, aggregation: str) -> float:
+        """What each micro-batch loss must divide its sum by so that the gradient Megatron accumulates
+        (mean over the ``M`` micro-batches of a rank, then mean over ranks) is that of the whole batch.
+
+        aggregation: "sequence-mean" (sum of per-response mean token losses over all responses)
+        or "token-mean" (sum of token losses over all response tokens); the divisor is that count
+        over ``M * dp_size``.
+        """
+        counts = {"sequence-mean": self.num_responses, "token-mean": self.response_tokens}
+        if aggregation not in counts:
+            raise ValueError(f"aggregation must be one of {sorted(counts)}, got {aggregation!r}")
+        return counts[aggregation] / (self.num_micro_batches * self.dp_size)
+
+
+def plan_micro_batches(
+    groups: Sequence[RolloutGroup],
+    max_tokens: int,
+    dp_size: int = 1,
+    attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
+) -> MicroBatchPlan:
+    """Plan packed micro-batches of at most ``max_tokens`` tokens for ``dp_size`` data-parallel ranks.
+
+    See the module docstring for what is kept together, the cost model, the balance guarantee and
+    padding. Raises ValueError on ``max_tokens < 1``, ``dp_size < 1``, a negative attention weight,
+    no groups, a group without responses or with an empty prompt or response, and a prompt plus
+    one response longer than ``max_tokens`` (no micro-batch could hold it).
+    """
+    for name, value in (("max_tokens", max_tokens), ("dp_size", dp_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not attention_weight >= 0:
+        raise ValueError(f"attention_weight must be >= 0, got {attention_weight!r}")
+    groups = list(groups)
+    _check_groups(groups, max_tokens)
+    cost = _item_cost(groups, attention_weight)
+    items = [item for g in range(len(groups)) for item in _split_to_budget(groups, g, max_tokens, cost)]
+    items = _split_until_every_rank_has_work(groups, items, dp_size, max_tokens, cost)
+    per_rank = _assign_to_ranks(items, dp_size)
+    bins_per_rank = _pack_ranks(per_rank, max_tokens)
+    offsets = list(accumulate((len(g.responses) for g in groups), initial=0))
+    ranks = tuple(tuple(_micro_batch(groups, offsets, bin_items) for bin_items in bins) for bins in bins_per_rank)
+    lens = [(len(g.prompt), [len(r) for r in g.responses]) for g in groups]
+    return MicroBatchPlan(
+        ranks=ranks,
+        num_responses=sum(len(rs) for _, rs in lens),
+        response_tokens=sum(sum(rs) for _, rs in lens),
+        rollout_tokens=sum(len(rs) * p + sum(rs) for p, rs in lens),
+        packed_tokens=sum(item.tokens for item in items),
+    )
+
+
+def _check_groups(groups: List[RolloutGroup], max_tokens: int) -> None:
+    if not groups:
+        raise ValueError("plan_micro_batches: no rollout groups given")
+    for g, group in enumerate(groups):
+        if not isinstance(group, RolloutGroup):
+            raise ValueError(f"group {g}: expected a RolloutGroup, got {type(group).__name__}")
+        if len(group.prompt) == 0 or len(group.responses) == 0 or min(map(len, group.responses)) == 0:
+            raise ValueError(f"group {g}: needs a non-empty prompt and at least one response, all non-empty")
+        if group.rewards is not None and len(group.rewards) != len(group.responses):
+            raise ValueError(f"group {g}: {len(group.rewards)} rewards for {len(group.responses)} responses")
+        if (group.rewards is None) != (groups[0].rewards is None):
+            raise ValueError("plan_micro_batches: either every group has rewards or none does")
+        longest = len(group.prompt) + max(map(len, group.responses))
+        if longest > max_tokens:
+            raise ValueError(
+                f"group {g}: its prompt ({len(group.prompt)} tokens) plus its longest response "
+                f"({longest - len(group.prompt)}) is {longest} tokens, more than max_tokens={max_tokens}; "
+                "raise the micro-batch token budget"
+            )
+
+
+def _item_cost(groups: List[RolloutGroup], attention_weight: float) -> Callable[[int, Sequence[int]], _Item]:
+    """An ``_Item`` builder: tokens and cost of group ``g``'s prompt with the given responses."""
+
+    def item(g: int, responses: Sequence[int]) -> _Item:
+        p = len(groups[g].prompt)
+        lens = [len(groups[g].responses[i]) for i in responses]
+        tokens = p + sum(lens)
+        pairs = p * (p + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in lens)
+        return _Item(g, tuple(sorted(responses)), tokens, tokens + attention_weight * pairs)
+
+    return item
+
+
+def _split_to_budget(groups, g: int, max_tokens: int, cost) -> List[_Item]:
+    whole = cost(g, range(len(groups[g].responses)))
+    if whole.tokens <= max_tokens:
+        return [whole]
+    return _split_group(groups, whole, max_tokens, cost, parts=None)
+
+
+def _split_group(groups, item: _Item, max_tokens: int, cost, parts: Optional[int]) -> List[_Item]:
+    """Split ``item``'s responses into ``parts`` sub-groups (None: the fewest that fit) of balanced cost."""
+    prompt = len(groups[item.group].prompt)
+    responses = [cost(item.group, [i]) for i in item.responses]
+    # A response alone is prompt + response: what it adds to a sub-group is that minus the prompt.
+    sizes = [r.tokens - prompt for r in responses]
+    costs = [r.cost - cost(item.group, []).cost for r in responses]
+    if parts is None:
+        parts = -(-sum(sizes) // (max_tokens - prompt))
+    bins = None
+    while bins is None:
+        bins = _bins(sizes, costs, parts, max_tokens - prompt)
+        parts += 1
+    return [cost(item.group, [item.responses[i] for i in b]) for b in bins if b]
+
+
+def _split_until_every_rank_has_work(groups, items: List[_Item], dp_size: int, max_tokens: int, cost) -> List[_Item]:
+    items = list(items)
+    while len(items) < dp_size:
+        splittable = [item for item in items if len(item.responses) > 1]
+        if not splittable:
+            break
+        costliest = max(splittable, key=lambda item: item.cost)
+        items.remove(costliest)
+        items += _split_group(groups, costliest, max_tokens, cost, parts=2)
+    return items
+
+
+def _assign_to_ranks(items: List[_Item], dp_size: int) -> List[List[_Item]]:
+    """Longest processing time first: the costliest item to the least loaded rank."""
+    ranks: List[List[_Item]] = [[] for _ in range(dp_size)]
+    loads = [0.0] * dp_size
+    for item in sorted(items, key=lambda item: (-item.cost, -item.tokens, item.group, item.responses)):
+        rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        ranks[rank].append(item)
+        loads[rank] += item.cost
+    return ranks
+
+
+def _pack_ranks(per_rank: List[List[_Item]], max_tokens: int) -> List[List[List[_Item]]]:
+    """Every rank's items in the same number of micro-batches, the smallest number that works."""
+    count = max(1, max(-(-sum(item.tokens for item in items) // max_tokens) for items in per_rank))
+    while True:
+        packed = []
+        for items in per_rank:
+            bins = _bins([i.tokens for i in items], [i.cost for i in items], count, max_tokens)
+            if bins is None:
+                break
+            packed.append([[items[i] for i in b] for b in bins])
+        else:
+            return packed
+        count += 1
+
+
+def _bins(sizes: Sequence[int], costs: Sequence[float], count: int, capacity: int) -> Optional[List[List[int]]]:
+    """Indices into ``sizes`` in ``count`` bins of at most ``capacity``, or None.
+
+    Balanced first: costliest entry first, each to the cheapest bin with room. When that spreads
+    the entries so that one finds no room, first-fit decreasing (largest first, each to the first
+    bin with room), which packs tighter; bins it leaves empty then take an entry from the bins
+    holding the most, so that a bin is empty only when there are fewer entries than bins.
+    """
+    entries = range(len(sizes))
+    bins = _greedy_bins(sizes, costs, count, capacity, sorted(entries, key=lambda i: (-costs[i], -sizes[i], i)),
+                        lambda room, loads, fill: min(room, key=lambda b: (loads[b], fill[b], b)))
+    if bins is not None:
+        return bins
+    bins = _greedy_bins(sizes, costs, count, capacity, sorted(entries, key=lambda i: (-sizes[i], -costs[i], i)),
+                        lambda room, loads, fill: room[0])
+    if bins is None:
+        return None
+    for empty in [b for b in bins if not b]:
+        fullest = max(bins, key=len)
+        if len(fullest) < 2:
+            break
+        empty.append(fullest.pop())
+    return [sorted(b) for b in bins]
+
+
+def _greedy_bins(sizes, costs, count: int, capacity: int, order, choose) -> Optional[List[List[int]]]:
+    """Entries in ``order``, each to the bin ``choose(bins with room, loads, fill)``; None when one finds no room."""
+    bins: List[List[int]] = [[] for _ in range(count)]
+    loads, fill = [0.0] * count, [0] * count
+    for i in order:
+        room = [b for b in range(count) if fill[b] + sizes[i] <= capacity]
+        if not room:
+            return None
+        b = choose(room, loads, fill)
+        bins[b].append(i)
+        loads[b] += costs[i]
+        fill[b] += sizes[i]
+    return [sorted(b) for b in bins]
+
+
+def _micro_batch(groups: List[RolloutGroup], offsets: List[int], items: List[_Item]) -> PlannedMicroBatch:
+    # Input order inside a micro-batch: packed layouts then follow the rollouts' own order.
+    items = sorted(items, key=lambda item: (item.group, item.responses))
+    sub_groups = []
+    for item in items:
+        group = groups[item.group]
+        rewards = None if group.rewards is None else [group.rewards[i] for i in item.responses]
+        sub_groups.append(RolloutGroup(group.prompt, [group.responses[i] for i in item.responses], rewards))
+    return PlannedMicroBatch(
+        groups=tuple(sub_groups),
+        source_groups=tuple(item.group for item in items),
+        source_responses=tuple(item.responses for item in items),
+        response_index=torch.tensor([offsets[item.group] + i for item in items for i in item.responses], dtype=torch.long),
+        num_tokens=sum(item.tokens for item in items),
+        cost=sum(item.cost for item in items),
+    )

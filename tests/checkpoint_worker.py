@@ -1,0 +1,46 @@
+"""One rank of the checkpoint tests' multi-process runs (gloo on CPU), started by ``launch``.
+
+Each scenario loads a converted checkpoint (``ROOT/<card>/megatron``) at its parallel sizes,
+saves every rank's ``export_hf_weights`` to ``ROOT/<scenario>.rank<r>.pt`` and saves the model
+back with ``save_model`` (Megatron's own writer, the tensors split as the ranks hold them) to
+``ROOT/<scenario>.saved``.
+"""
+import os
+import socket
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+import torch.multiprocessing as mp
+from megatron.core import parallel_state
+
+from megatron_dualkv.models import checkpoint_card, export_hf_weights, load_model, save_model
+
+SCENARIOS: Dict[str, Tuple[str, int, Dict]] = {  # name -> (card, world size, load_model arguments)
+    "qwen3_tp2": ("qwen3-tiny", 2, dict(tp=2, sp=False)),
+    "gemma3_tp2": ("gemma3-tiny", 2, dict(tp=2, sp=False)),
+    "qwen3_moe_ep2": ("qwen3-moe-tiny", 2, dict(ep=2)),
+    "qwen3_pp2": ("qwen3-tiny", 2, dict(pp=2)),
+}
+
+
+def run_rank(rank: int, world: int, port: int, root: str, scenarios: List[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    for name in scenarios:
+        card, _, sizes = SCENARIOS[name]
+        megatron_dir = Path(root) / card / "megatron"
+        model = load_model(megatron_dir, **sizes)
+        exported = {hf_name: tensor.clone() for hf_name, tensor in export_hf_weights(model, checkpoint_card(megatron_dir))}
+        torch.save(exported, Path(root) / f"{name}.rank{rank}.pt")
+        save_model(model, checkpoint_card(megatron_dir), Path(root) / f"{name}.saved")
+        parallel_state.destroy_model_parallel()
+
+
+def launch(scenarios: List[str], world: int, root) -> None:
+    """Run ``scenarios`` (all of world size ``world``) in one gloo world; a rank's exception is
+    raised here with its traceback, and the other ranks are stopped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run_rank, args=(world, port, str(root), scenarios), nprocs=world, join=True)

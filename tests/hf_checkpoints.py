@@ -1,0 +1,66 @@
+"""Hugging Face checkpoint folders of tiny random-weight transformers models (``save_pretrained``,
+no downloads), converted once per test session with ``tools/convert_checkpoint.py``; shared by
+test_convert_checkpoint.py and test_export_hf_weights.py."""
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from megatron_dualkv.models import load_card
+from test_hf_state_dicts import hf_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import convert_checkpoint  # noqa: E402
+
+CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny"]
+# the parallel sizes each checkpoint is converted for (Gemma 4's one global key/value head allows no tp)
+CONVERT_SIZES = {"qwen3-tiny": dict(tp=2, pp=2), "qwen3-moe-tiny": dict(ep=2), "gemma3-tiny": dict(tp=2), "gemma4-tiny": {}}
+SHARD_SIZE = "100KB"  # several shards with an index, as published checkpoints come
+
+
+@dataclass
+class Converted:
+    card: object  # ModelCard
+    hf: torch.nn.Module
+    hf_dir: Path
+    megatron_dir: Path
+
+
+def safetensors_files(folder: Path) -> Dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files, by name."""
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                assert name not in tensors, f"{name} stored twice"
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def index_files(folder: Path) -> set:
+    return set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+
+
+def convert(*args) -> None:
+    convert_checkpoint.main([str(a) for a in args])
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory) -> Dict[str, Converted]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    out = {}
+    for name in CARDS:
+        card = load_card(name)
+        hf = hf_model(card)
+        hf_dir, megatron_dir = root / name / "hf", root / name / "megatron"
+        hf.save_pretrained(hf_dir, max_shard_size=SHARD_SIZE)
+        sizes = [f"--{k}={v}" for k, v in CONVERT_SIZES[name].items()]
+        convert("hf-to-megatron", "--hf", hf_dir, "--out", megatron_dir, *sizes)
+        out[name] = Converted(card, hf, hf_dir, megatron_dir)
+    return out

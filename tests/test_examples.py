@@ -1,0 +1,220 @@
+"""The example scripts end to end (world size 1, subprocesses): the GRPO/DAPO launch script on the
+packed and replicated layouts, save then resume, token-id rollouts; the attention demo; the bundled
+tokenizer's reproducibility; the launch script's input errors."""
+import importlib.util
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dualkv.models import build_model
+from megatron_dualkv.rl import forward_logprobs
+from rollouts import make_batch, max_abs_diff
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "grpo_policy_update.py"
+STEP = re.compile(
+    r"step\s+(?P<step>\d+)/(?P<steps>\d+) \| loss (?P<loss>\S+) \| reward (?P<reward>\S+) \| margin (?P<margin>\S+) \| "
+    r"clip (?P<clip>\S+) \| (?P<tokens_per_s>[\d,]+) tok/s \| rho (?P<rho>\S+) \| mb (?P<mb>\d+)x(?P<dp>\d+) \| "
+    r"mem (?P<mem>\S+) GiB \| (?P<tflops>\S+) TFLOP/s \| MFU (?P<mfu>\S+) \| (?P<seconds>\S+) s"
+)
+
+
+def load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(*args, expect_rc=0):
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == expect_rc, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def run_script(*args):
+    """The script's stdout and its parsed step lines {step: fields}."""
+    out = run(SCRIPT, *args).stdout
+    steps = {}
+    for match in STEP.finditer(out):
+        fields = {k: v for k, v in match.groupdict().items()}
+        steps[int(fields.pop("step"))] = fields
+    return out, steps
+
+
+def number(fields, key):
+    return float(fields[key].replace(",", "").rstrip("%"))
+
+
+@pytest.fixture(scope="module")
+def dapo_runs(tmp_path_factory):
+    """The same DAPO steps from the same weights (qwen3-tiny at seed 77) three ways: 3 packed steps
+    from a converted Megatron checkpoint of those weights (``--model <folder>``, run at the default
+    seed, so only loaded weights can match); 2 replicated steps from the card, saved; step 3 resumed."""
+    converted = tmp_path_factory.mktemp("converted") / "qwen3-tiny-77"
+    run("-c", "from megatron_dualkv.models import build_model, save_model; "
+              f"save_model(build_model('qwen3-tiny', seed=77), 'qwen3-tiny', {str(converted)!r})")
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    straight = run_script("--model", converted, "--loss", "dapo", "--steps", 3)
+    card = ("--model", "qwen3-tiny", "--seed", 77, "--loss", "dapo")
+    replicated = run_script(*card, "--steps", 2, "--layout", "replicated", "--save", checkpoints)
+    resumed = run_script(*card, "--steps", 3, "--load", checkpoints)
+    return straight, replicated, resumed, checkpoints
+
+
+def test_packed_run_logs_sane_numbers(dapo_runs):
+    (out, steps), *_ = dapo_runs
+    assert "model " in out and "qwen3-tiny-77" in out and "layout packed | loss dapo" in out and sorted(steps) == [1, 2, 3]
+    for fields in steps.values():
+        assert math.isfinite(number(fields, "loss")) and number(fields, "loss") != 0
+        assert 0 <= number(fields, "reward") <= 1 and 0 <= number(fields, "clip") <= 1
+        assert number(fields, "tokens_per_s") > 0 and number(fields, "tflops") > 0 and number(fields, "mem") > 0
+        assert number(fields, "rho") > 2  # 4 to 16 responses share a prompt of ~135 tokens
+        assert fields["mfu"] == "n/a" and fields["dp"] == "1" and int(fields["mb"]) >= 1
+    # the policy learns the rewards: rewarded responses gain log-probability over the others
+    assert number(steps[3], "margin") > number(steps[1], "margin")
+
+
+def test_replicated_layout_and_the_converted_checkpoint_give_the_same_steps(dapo_runs):
+    (_, packed), (out, replicated), *_ = dapo_runs
+    assert "layout replicated" in out and sorted(replicated) == [1, 2]
+    for step in (1, 2):
+        for key in ("loss", "margin", "reward", "rho"):
+            assert number(replicated[step], key) == pytest.approx(number(packed[step], key), rel=1e-3, abs=1e-6), (step, key)
+
+
+def test_resume_continues_from_the_checkpoint(dapo_runs):
+    """Saved after step 2 (on the replicated layout: model and optimizer do not depend on it),
+    resumed for step 3: the same step 3 as the run that never stopped."""
+    (_, straight), (saved_out, _), (out, resumed), checkpoints = dapo_runs
+    assert f"saved {checkpoints / 'iter_0000002'}" in saved_out
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert "resumed at step 2" in out and sorted(resumed) == [3]
+    for key in ("loss", "margin"):
+        assert number(resumed[3], key) == pytest.approx(number(straight[3], key), rel=1e-4, abs=1e-7), key
+
+
+def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
+    rollouts = tmp_path / "ids.jsonl"
+    groups = [  # 20 + 102 tokens: over a 64-token budget, so split into sub-groups carrying the prompt
+        {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(12)], "rewards": [i % 2 for i in range(12)]},
+        {"prompt": [7, 8, 9], "responses": [[10, 11], [12]], "rewards": [1.0, 0.0]},
+    ]
+    rollouts.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    out, steps = run_script("--rollouts", rollouts, "--global-batch-size", 2, "--max-tokens", 64, "--steps", 2, "--loss", "grpo")
+    assert "2 rollout groups" in out and sorted(steps) == [1, 2]
+    rollout_tokens, unsplit_tokens = 12 * 20 + 102 + 2 * 3 + 3, 20 + 102 + 3 + 3
+    for fields in steps.values():
+        # on-policy GRPO: ratio 1 and group-normalised advantages summing to 0 -> loss ~0
+        assert abs(number(fields, "loss")) < 1e-5
+        assert int(fields["mb"]) >= 3
+        assert 1 < number(fields, "rho") < rollout_tokens / unsplit_tokens - 0.1  # the prompt is computed again per sub-group
+
+
+def test_attention_demo_runs():
+    out = run(ROOT / "examples" / "dualkv_attention_demo.py").stdout
+    assert "token reduction rho" in out and "max |packed - replicated|" in out
+
+
+def test_bundled_tokenizer_is_reproducible(tmp_path):
+    """tools/make_sample_tokenizer.py retrains examples/data/tokenizer.model byte for byte (same SentencePiece)."""
+    tool = load(ROOT / "tools" / "make_sample_tokenizer.py", "make_sample_tokenizer")
+    model = tmp_path / "tokenizer.model"
+    tool.train(tool.DATA / "corpus.txt", model)
+    assert model.read_bytes() == (tool.DATA / "tokenizer.model").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load(SCRIPT, "grpo_policy_update")
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": [1], "responses": [[2]], "rewards": [1.0]}\n{"prompt": [1], oops}', r"ids.jsonl:2: not valid JSON"),
+        ('{"prompt": [1], "responses": [[2]]}', r":1: expected an object with 'prompt', 'responses' and 'rewards'"),
+        ('{"prompt": [1], "responses": [], "rewards": []}', r":1: 'responses' must be a non-empty list"),
+        ('{"prompt": [1], "responses": [[2], [3]], "rewards": [1.0]}', r":1: 'rewards' must be a list of 2 numbers"),
+        ('{"prompt": [1], "responses": [[2], [300]], "rewards": [1, 0]}', r":1: response 1: token id 300 is outside the model's vocabulary \(vocab_size 256\)"),
+        ('{"prompt": [-1], "responses": [[2]], "rewards": [1]}', r":1: prompt: token id -1 is outside"),
+        ('{"prompt": [1.5], "responses": [[2]], "rewards": [1]}', r":1: prompt: token ids must be integers"),
+        ('{"prompt": [], "responses": [[2]], "rewards": [1]}', r":1: prompt: expected a non-empty list"),
+        ('{"prompt": "text", "responses": [[2]], "rewards": [1]}', r":1: a text prompt needs text responses"),
+        ("\n\n", r"no rollout groups"),
+    ],
+)
+def test_malformed_rollouts_are_reported_with_their_line(script, tmp_path, line, message):
+    path = tmp_path / "ids.jsonl"
+    path.write_text(line)
+    with pytest.raises(script.InputError, match=message):
+        script.read_rollouts(path, 256, tokenizer_path=None)
+
+
+def test_text_rollouts_need_a_tokenizer_that_fits_the_vocabulary(script, tmp_path):
+    path = tmp_path / "text.jsonl"
+    path.write_text('{"prompt": "What is 2 + 2?", "responses": ["4", "5"], "rewards": [1, 0]}\n')
+    with pytest.raises(script.InputError, match=r"text.jsonl:1: text rollouts need a SentencePiece model"):
+        script.read_rollouts(path, 256, tokenizer_path=None)
+    with pytest.raises(script.InputError, match=r"tokenizer not found"):
+        script.read_rollouts(path, 256, tokenizer_path=tmp_path / "missing.model")
+    with pytest.raises(script.InputError, match=r"has 256 pieces, more than the model's vocab_size 100"):
+        script.read_rollouts(path, 100, tokenizer_path=script.DATA / "tokenizer.model")
+    (group,) = script.read_rollouts(path, 256, tokenizer_path=script.DATA / "tokenizer.model")
+    assert group.prompt[0] == 1 and all(r[-1] == 2 for r in group.responses)  # <s> prompt, response </s>
+    assert group.rewards == [1.0, 0.0]
+
+
+def test_bad_flags(script, tmp_path):
+    with pytest.raises(SystemExit):
+        script.parse_args(["--max-tokens", "0"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--rollouts", str(tmp_path / "missing.jsonl")])
+
+
+@pytest.fixture(scope="module")
+def bench(script):
+    return load(ROOT / "tools" / "bench_policy_update.py", "bench_policy_update")
+
+
+def test_bench_sdpa_baseline_equals_megatron_attention(bench):
+    """The GPU benchmark's replicated baseline (PyTorch SDPA core attention) computes what Megatron's
+    DotProductAttention computes, and the packed path is untouched."""
+    model = build_model("qwen3-tiny", seed=3)
+    batch = make_batch()
+    with torch.no_grad():
+        megatron_attention = forward_logprobs(model, batch, layout="replicated")
+        bench.use_sdpa_for_replicated(model)
+        sdpa = forward_logprobs(model, batch, layout="replicated")
+        packed = forward_logprobs(model, batch)
+    cores = [m.core_attention for m in model.modules() if hasattr(m, "core_attention")]
+    assert cores and all(type(core) is bench.SDPAReplicatedAttention for core in cores)
+    assert max_abs_diff(sdpa, megatron_attention) < 2e-6 and max_abs_diff(sdpa, packed) < 2e-6
+
+
+def test_bench_halves_the_micro_batch_until_it_fits(bench, monkeypatch):
+    """The GPU-only search for the largest micro-batch, with a step that runs out of memory above 4 responses."""
+    calls = []
+
+    def step(policy, groups, loss_fn, max_tokens, layout):
+        calls.append(max_tokens)
+        if max_tokens > 100 + 4 * 10:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return bench.policy_update.StepStats(
+            loss=0.0, reward=0.5, margin=0.0, clip_fraction=0.0, rollout_tokens=16 * 110, rho=1.0, micro_batches=4,
+            dp_size=1, flops=2e12, seconds=len(calls) / 10, peak_memory_gib=1.0,
+        )
+
+    monkeypatch.setattr(bench.policy_update, "policy_update_step", step)
+    result = bench.bench_layout(None, None, "replicated", repeats=3, peak_tflops=10.0,
+                                result=bench.Result("m", 1, n=16, p=100, r=10, layout="replicated"))
+    assert calls == [260, 180, 140, 140, 140, 140]
+    assert (result.micro_batch_responses, result.micro_batch_tokens, result.micro_batches) == (4, 4 * 110, 4)
+    assert result.step_s == pytest.approx(0.5) and result.tflops == pytest.approx(4.0) and result.mfu == pytest.approx(0.4)

@@ -1,0 +1,130 @@
+"""The parallel layout (megatron_dualkv.mcore.parallel), the context-parallel helpers and the
+sequence-parallel norm, in one process; test_parallel runs them on several ranks."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dualkv.mcore import DualKVAttention, DualKVPackedSeqParams, ParallelSizes, plan_parallel
+from megatron_dualkv.mcore.context_parallel import context_parallel_params, context_parallel_slice, kv_head_replication
+from megatron_dualkv.mcore.norms import SequenceParallelTorchNorm
+from megatron_dualkv.models import build_model
+from rollouts import make_batch
+
+
+class FakeGroup(SimpleNamespace):
+    def size(self):
+        return self.world
+
+    def rank(self):
+        return self.me
+
+
+def test_plan_splits_the_world():
+    plan = plan_parallel(16, tp=2, pp=2, cp=2, ep=2)
+    assert (plan.dp, plan.expert_dp, plan.world_size) == (2, 2, 16)
+    assert plan.sizes == ParallelSizes(tp=2, pp=2, cp=2, ep=2, etp=2, sp=True)
+    assert plan_parallel(8, tp=2, ep=8, etp=1).expert_dp == 1
+    assert plan_parallel(1).dp == 1 and not plan_parallel(1).sizes.sp
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((3,), dict(tp=2), r"tp\*pp\*cp = 2 ranks per model replica, but this world has 3 process"),
+        ((4,), dict(tp=2, pp=2, ep=2), r"dp\*tp\*cp = 2 ranks of a pipeline stage cannot hold experts split ep\*etp = 4 ways"),
+        ((4,), dict(vpp=2), "needs pp > 1"),
+        ((2,), dict(sp=True), "needs tp > 1"),
+        ((2,), dict(cp=0), "cp must be a positive int"),
+        ((2,), dict(tp=True), "tp must be a positive int"),
+        ((0,), {}, "world_size must be a positive int"),
+    ],
+)
+def test_plan_refuses_what_does_not_split(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_parallel(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "sizes, multiple",
+    [(ParallelSizes(), 1), (ParallelSizes(tp=2), 2), (ParallelSizes(tp=2, sp=False), 1), (ParallelSizes(cp=4), 4),
+     (ParallelSizes(tp=2, cp=2), 4), (ParallelSizes(tp=4, pp=2, ep=8), 4)],
+)
+def test_token_multiple(sizes, multiple):
+    assert sizes.token_multiple == multiple
+
+
+def test_megatrons_own_context_parallelism_stays_off():
+    kwargs = ParallelSizes(tp=2, pp=2, cp=2, vpp=2).transformer_config_kwargs()
+    assert kwargs["context_parallel_size"] == 1 and kwargs["sequence_parallel"]
+    assert not kwargs["variable_seq_lengths"] and not kwargs["batch_p2p_comm"]
+    assert ParallelSizes(pp=2).transformer_config_kwargs()["variable_seq_lengths"]
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, cp, replicas",
+    [(4, 2, 2, 1), (8, 8, 4, 1), (4, 1, 2, 2), (8, 2, 8, 4), (6, 3, 2, 2), (12, 4, 6, 3)],
+)
+def test_kv_heads_are_replicated_to_whole_heads_per_rank(heads, kv_heads, cp, replicas):
+    assert kv_head_replication(heads, kv_heads, cp) == replicas
+    expanded = kv_heads * replicas
+    assert expanded % cp == 0
+    for h in range(heads):  # query head h reads a copy of its own KV head on its own rank
+        rank, copy = h // (heads // cp), h // (heads // expanded)
+        assert copy // replicas == h // (heads // kv_heads)
+        assert copy // (expanded // cp) == rank
+
+
+def test_query_heads_must_split_over_context_parallel_ranks():
+    with pytest.raises(ValueError, match=r"cp=4 ranks, but this rank has 2 query heads; num_attention_heads must be a multiple of tp\*cp"):
+        kv_head_replication(2, 1, 4)
+
+
+def test_context_parallel_slices():
+    assert context_parallel_slice(40, None) == slice(0, 40)
+    assert context_parallel_slice(40, FakeGroup(world=4, me=2)) == slice(20, 30)
+    with pytest.raises(ValueError, match="into 4 equal slices, but it has 38 tokens; pack with"):
+        context_parallel_slice(38, FakeGroup(world=4, me=0))
+
+
+def test_context_parallel_params_cut_the_segments_to_the_rank():
+    batch = make_batch()  # 40 tokens
+    params = DualKVPackedSeqParams.from_layout(batch.layout)
+    group = FakeGroup(world=4, me=1)
+    local = context_parallel_params(params, group)
+    bounds = [b for b in batch.layout.cu_seqlens.tolist() if 10 < b < 20]
+    assert local.cu_seqlens_q.tolist() == [0, *[b - 10 for b in bounds], 10]
+    assert local.cp_group is group and local.layout is batch.layout and params.cp_group is None
+
+
+def test_sequence_parallel_norm_marks_its_parameters():
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm")
+    sp = TransformerConfig(**base, tensor_model_parallel_size=2, sequence_parallel=True)
+    norm = SequenceParallelTorchNorm(sp, 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
+    assert norm.weight.sequence_parallel and sp.sequence_parallel, "the model's config keeps sequence_parallel"
+    assert SequenceParallelTorchNorm(TransformerConfig(**base), 8).weight.sequence_parallel is False
+
+
+def test_attention_refuses_megatrons_context_parallelism():
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, kv_channels=16,
+                            attention_dropout=0.0, activation_func=F.silu, context_parallel_size=2)
+    with pytest.raises(ValueError, match="keep context_parallel_size=1"):
+        DualKVAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=FakeGroup(world=1, me=0)))
+
+
+@pytest.mark.parametrize(
+    "card, kwargs, message",
+    [
+        ("qwen3-tiny", dict(cp=3), r"num_attention_heads \(4\) is not divisible by tp\*cp \(3\)"),
+        ("qwen3-tiny", dict(tp=2, cp=4), r"num_attention_heads \(4\) is not divisible by tp\*cp \(8\)"),
+        ("qwen3-tiny", dict(pp=2, vpp=2), r"num_layers \(2\) is not divisible by pp\*vpp \(4\)"),
+        ("qwen3-moe-tiny", dict(tp=2, sp=False), "MoE layers train under tensor parallelism only with sequence parallelism"),
+    ],
+)
+def test_build_model_refuses_a_split_the_model_does_not_allow(card, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(card, **kwargs)

@@ -1,0 +1,256 @@
+"""Policy-update benchmark on real-dimension models: DualKV packed vs the same Megatron model on the
+replicated layout with PyTorch SDPA (cuDNN backend).
+
+    python tools/bench_policy_update.py --out bench/           # one H200: Qwen3-8B and Qwen3-30B-A3B layer dims
+    python tools/bench_policy_update.py --device cpu --tiny    # dry run of the same code: tiny cards, small groups
+
+Models: Qwen3-8B layer dimensions with ``--dense-layers`` layers and Qwen3-30B-A3B-dimension MoE
+layers (``--moe-layers``), full vocabulary, bf16 parameters with Megatron's fp32 main weights and
+Adam. Workloads: one group of N responses of R tokens sharing a P-token prompt per step,
+(N, P, R) = (16, 8192, 1024) and (32, 8192, 512).
+
+The step is the launch script's (``examples/grpo_policy_update.py``: behaviour log-probs with a
+forward-only run of Megatron's schedule, then forward/backward with the GRPO loss and Megatron's
+optimizer step), on the packed layout with DualKV attention, and on the replicated layout (every
+response after its own prompt copy) whose core attention is PyTorch SDPA restricted to the cuDNN
+backend. For each model, workload and layout: the largest micro-batch that fits (responses per
+micro-batch, halving from N until a step runs without running out of memory), then at that size
+the median step time over ``--repeats`` steps, rollout tokens per second, model TFLOP/s (4x the
+forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU against the bf16 matmul rate
+measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+import grpo_policy_update as policy_update  # noqa: E402
+from megatron_dualkv import RolloutGroup  # noqa: E402
+from megatron_dualkv.mcore import DualKVAttention  # noqa: E402
+from megatron_dualkv.models import load_card  # noqa: E402
+
+WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
+TINY_WORKLOADS = [(4, 96, 24), (8, 96, 12)]
+# cuDNN on the GPU, as the issue's baseline asks; the CPU dry run has only the math backend.
+SDPA_BACKENDS = {"cuda": [SDPBackend.CUDNN_ATTENTION], "cpu": [SDPBackend.MATH]}
+
+
+class SDPAReplicatedAttention(DualKVAttention):
+    """DualKV attention on packed micro-batches; on the replicated layout's padded ``[s, b]`` batch,
+    PyTorch SDPA (causal) instead of Megatron's unfused ``DotProductAttention``, which would build
+    the full ``[b, heads, s, s]`` score tensor. Right padding needs no mask: a real token never
+    attends to the padding after it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.dualkv_window is not None or self.dualkv_softcap is not None:
+            raise ValueError("the SDPA baseline runs plain causal attention: no sliding window or softcap")
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+        # [s, b, heads, d] -> [b, heads, s, d]; GQA: K/V heads repeated, as Megatron's DotProductAttention does
+        q, k, v = (x.permute(1, 2, 0, 3).contiguous() for x in (query, key, value))
+        repeats = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        with sdpa_kernel(SDPA_BACKENDS[q.device.type]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.dualkv_softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def use_sdpa_for_replicated(model: torch.nn.Module) -> None:
+    """Give every attention layer of ``model`` an ``SDPAReplicatedAttention`` core (core attention
+    has no parameters; it is built with the arguments Megatron's ``Attention`` gives it)."""
+    for module in model.modules():
+        core = getattr(module, "core_attention", None)
+        if isinstance(core, DualKVAttention):
+            module.core_attention = SDPAReplicatedAttention(
+                config=core.config, layer_number=module.layer_number, attn_mask_type=module.attn_mask_type,
+                attention_type=module.attention_type, softmax_scale=module.config.softmax_scale,
+                pg_collection=module.pg_collection,
+            )
+
+
+@dataclass
+class Result:
+    model: str
+    layers: int
+    n: int
+    p: int
+    r: int
+    layout: str
+    micro_batch_responses: int = 0
+    micro_batch_tokens: int = 0
+    micro_batches: int = 0
+    step_s: float = float("nan")
+    tokens_per_s: float = float("nan")
+    tflops: float = float("nan")
+    mfu: float = float("nan")
+    peak_gib: float = float("nan")
+    speedup: float = float("nan")
+
+
+def layer_card(card: str, layers: int, directory: Path) -> Path:
+    """A card file of ``card`` with ``layers`` layers (the launch script takes card files)."""
+    config = dict(load_card(card).config)
+    config.update(name=f"{card}-{layers}l", num_hidden_layers=layers, max_window_layers=layers)
+    if config.get("mlp_only_layers"):
+        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    path = directory / f"{config['name']}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def rollout_group(n: int, p: int, r: int, vocab_size: int, seed: int) -> RolloutGroup:
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda k: torch.randint(3, vocab_size, (k,), generator=g).tolist()  # noqa: E731
+    return RolloutGroup(ids(p), [ids(r) for _ in range(n)], rewards=torch.randint(0, 2, (n,), generator=g).float().tolist())
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tflops: float, result: Result) -> Result:
+    """Largest micro-batch (responses) that fits, then the median step at that size."""
+    loss_fn = policy_update.LOSSES["grpo"]
+    n, p, r = result.n, result.p, result.r
+    k = n
+    while k >= 1:
+        max_tokens = p + k * r  # the planner then cuts the group into sub-groups of k responses
+        try:
+            policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout)  # warm-up and fit probe
+            steps = [policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout) for _ in range(repeats)]
+            break
+        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(err):
+                raise
+        # Outside the except block: the exception's frames, which hold the activations, are gone.
+        print(f"  {result.model} {layout} N={n}: {k} responses per micro-batch run out of memory", flush=True)
+        free_memory()
+        k //= 2
+    else:
+        return result
+    seconds = statistics.median(s.seconds for s in steps)
+    result.micro_batch_responses = k
+    result.micro_batch_tokens = p + k * r if layout == "packed" else k * (p + r)
+    result.micro_batches = steps[0].micro_batches
+    result.step_s = seconds
+    result.tokens_per_s = steps[0].rollout_tokens / seconds
+    result.tflops = steps[0].flops / seconds / 1e12
+    result.mfu = result.tflops / peak_tflops
+    result.peak_gib = max(s.peak_memory_gib for s in steps)
+    return result
+
+
+def bench_model(card: Path, layers: int, workloads, args, peak_tflops: float) -> List[Result]:
+    script_args = policy_update.parse_args([
+        "--model", str(card), "--dtype", args.dtype, "--lr", "1e-6", "--clip-grad", "0" if args.device == "cpu" else "1.0",
+    ])
+    policy = policy_update.build_policy(script_args)
+    use_sdpa_for_replicated(policy.model)
+    results = []
+    for n, p, r in workloads:
+        group = rollout_group(n, p, r, policy.vocab_size, seed=n)
+        pair = [bench_layout(policy, group, layout, args.repeats, peak_tflops, Result(card.stem, layers, n, p, r, layout))
+                for layout in ("packed", "replicated")]
+        pair[0].speedup = pair[1].step_s / pair[0].step_s
+        results += pair
+        for result in pair:
+            print(row(result), flush=True)
+    del policy
+    free_memory()
+    return results
+
+
+COLUMNS = ["model", "N", "P", "R", "layout", "mb resp", "mb tokens", "mbs", "step s", "tok/s", "TFLOP/s", "MFU", "peak GiB", "speedup"]
+
+
+def row(result: Result) -> str:
+    cells = [result.model, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
+             result.micro_batch_tokens, result.micro_batches, f"{result.step_s:.4g}", f"{result.tokens_per_s:,.0f}",
+             f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%", f"{result.peak_gib:.1f}",
+             "" if result.layout == "replicated" else f"{result.speedup:.2f}x"]
+    return " | ".join(str(c) for c in cells)
+
+
+def write_outputs(results: List[Result], out: Path, peak_tflops: float, baseline: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "policy_update.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])) + ["matmul_peak_tflops"])
+        writer.writeheader()
+        for result in results:
+            writer.writerow({**asdict(result), "matmul_peak_tflops": peak_tflops})
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = sorted({(r.model, r.n, r.p, r.r) for r in results}, key=str)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.38
+    for offset, layout in ((-width / 2, "packed"), (width / 2, "replicated")):
+        by_label = {(r.model, r.n, r.p, r.r): r for r in results if r.layout == layout}
+        xs = [i + offset for i in range(len(labels))]
+        name = "DualKV packed" if layout == "packed" else f"replicated, {baseline}"
+        axes[0].bar(xs, [by_label[label].tokens_per_s for label in labels], width, label=name)
+        axes[1].bar(xs, [100 * by_label[label].mfu for label in labels], width, label=name)
+    for ax, title in zip(axes, ("rollout tokens / s (policy-update step)", f"MFU % (matmul peak {peak_tflops:.4g} TFLOP/s)")):
+        ax.set_xticks(range(len(labels)), [f"{m}\nN={n} P={p} R={r}" for m, n, p, r in labels], fontsize=7)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "policy_update.png", dpi=120)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny cards and small groups (a dry run of the code paths)")
+    parser.add_argument("--dense-layers", type=int, default=4, help="Qwen3-8B-dimension layers")
+    parser.add_argument("--moe-layers", type=int, default=4, help="Qwen3-30B-A3B-dimension MoE layers")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
+    if args.device == "cpu" and torch.cuda.is_available():
+        parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
+    # Megatron's mixed-precision optimizer needs CUDA: the CPU dry run is float32.
+    args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    peak = (policy_update.measure_matmul_tflops() if args.device == "cuda"
+            else policy_update.measure_matmul_tflops(size=1024, device="cpu", dtype=torch.float32))
+    print(f"measured {args.dtype} matmul peak: {peak:.4g} TFLOP/s", flush=True)
+    print(" | ".join(COLUMNS), flush=True)
+    models = ([("qwen3-tiny", 2), ("qwen3-moe-tiny", 2)] if args.tiny
+              else [("qwen3-8b", args.dense_layers), ("qwen3-30b-a3b", args.moe_layers)])
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for card, layers in models:
+            results += bench_model(layer_card(card, layers, Path(tmp)), layers, TINY_WORKLOADS if args.tiny else WORKLOADS, args, peak)
+    write_outputs(results, args.out, peak, "SDPA cuDNN" if args.device == "cuda" else "SDPA math (CPU)")
+    print(f"wrote {args.out / 'policy_update.csv'} and {args.out / 'policy_update.png'}")
+
+
+if __name__ == "__main__":
+    main()
