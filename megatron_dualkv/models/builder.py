@@ -53,7 +53,9 @@ def build_model(
         Under pp > 1 this rank's stage is built; with vpp > 1 the result is the list of its vpp
         model chunks (Megatron's model-chunk list, as the interleaved schedule takes it).
     dtype: parameter dtype (default: the card's ``torch_dtype``, float32 if it has none).
-    seed: Megatron's model-parallel RNG seed; the same seed gives the same weights.
+    seed: Megatron's model-parallel RNG seed. The same seed gives the same weights at any tp, but
+        not across pp/ep layouts (each stage or expert rank draws for its own layers): to compare
+        layouts, start them from one checkpoint (``save_model`` / ``load_model``).
     use_transformer_engine: None picks the TE spec when transformer_engine imports, CUDA is
         available and the family has one (Gemma has not), else the torch-native local spec.
     overrides: ``TransformerConfig`` fields replacing the card's (e.g. ``num_layers=2``,
