@@ -359,7 +359,15 @@ def _sharded_state_dict(policy: Policy, step: int, is_loading: bool) -> dict:
         "optimizer": policy.optimizer.sharded_state_dict(model, is_loading=is_loading),
         "step": step,
         "card": policy.card,
+        "expert_layout": _expert_layout(),
     }
+
+
+def _expert_layout() -> dict:
+    """The parallel sizes that shape Megatron's optimizer state: with experts split (ep, etp) it
+    is a chain of a dense and an expert optimizer, which does not reshard into another layout."""
+    sizes = current_parallel_sizes()
+    return {"ep": sizes.ep, "etp": sizes.etp}
 
 
 def save_checkpoint(directory: Path, step: int, policy: Policy) -> Path:
@@ -384,9 +392,15 @@ def load_checkpoint(directory: Path, policy: Policy) -> int:
         raise InputError(f"no checkpoint to load: {tracker} does not exist")
     step = int(tracker.read_text().strip())
     path = str(directory / f"iter_{step:07d}")
-    card = dist_checkpointing.load_common_state_dict(path)["card"]
-    if card != policy.card:  # checked first: the tensors of another model would fail with shape errors
-        raise InputError(f"{directory} holds a checkpoint of {card!r}, not of --model {policy.card!r}")
+    common = dist_checkpointing.load_common_state_dict(path)
+    if common["card"] != policy.card:  # checked first: the tensors of another model would fail with shape errors
+        raise InputError(f"{directory} holds a checkpoint of {common['card']!r}, not of --model {policy.card!r}")
+    if common["expert_layout"] != _expert_layout():
+        raise InputError(
+            f"{directory} was saved with expert parallelism {common['expert_layout']}, this run has {_expert_layout()}: "
+            "the optimizer state does not reshard across expert layouts; resume with the same --ep, or start a "
+            "new run from the weights alone (megatron_dualkv.models.save_model, then --model <that folder>)"
+        )
     state = dist_checkpointing.load(_sharded_state_dict(policy, step, is_loading=True), path)
     policy.model.module.load_state_dict(state["model"])
     policy.optimizer.load_state_dict(state["optimizer"])

@@ -101,6 +101,14 @@ def test_resume_continues_from_the_checkpoint(dapo_runs):
         assert number(resumed[3], key) == pytest.approx(number(straight[3], key), rel=1e-4, abs=1e-7), key
 
 
+def test_resume_into_another_expert_layout_is_refused(tmp_path):
+    """Megatron's optimizer state is a different chain once experts are split: a clear error, not a KeyError."""
+    run_script("--model", "qwen3-moe-tiny", "--steps", 1, "--save", tmp_path)
+    result = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, SCRIPT,
+                 "--model", "qwen3-moe-tiny", "--ep", 2, "--steps", 2, "--load", tmp_path, expect_rc=1)
+    assert "saved with expert parallelism {'ep': 1, 'etp': 1}" in result.stdout + result.stderr
+
+
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
     rollouts = tmp_path / "ids.jsonl"
     groups = [  # 20 + 102 tokens: over a 64-token budget, so split into sub-groups carrying the prompt
