@@ -132,7 +132,10 @@ class DualKVGPTModel(GPTModel):
                 f"a packed sequence reaches position {longest - 1}, beyond the model's max_sequence_length "
                 f"{self.max_sequence_length}"
             )
-        table = self.rotary_pos_emb(self.max_sequence_length, packed_seq=True)
+        # Rows depend only on their position, so a table just long enough gives the same values;
+        # powers of two keep the number of cached tables small (262144 rows would be ~0.8 GB for Gemma 4).
+        rows = min(self.max_sequence_length, 1 << max(longest - 1, 1).bit_length())
+        table = self.rotary_pos_emb(rows, packed_seq=True)
         return table[positions.to(table.device)]
 
 
