@@ -1,5 +1,6 @@
-"""Rollout batches with awkward shapes for the Megatron-Core and RL tests: uneven groups, a
-one-token prompt, one-token responses, a group with a single response, and padding."""
+"""Rollout batches with awkward shapes for the Megatron-Core and RL tests (uneven groups, a
+one-token prompt, one-token responses, a group with a single response, and padding), and the
+model-card helpers those tests share."""
 import torch
 
 from megatron_dualkv import RolloutGroup, pack_groups
@@ -27,5 +28,34 @@ def perturbed(nested, scale, seed=0):
     return [[x.detach() + scale * torch.randn(x.shape, generator=g) for x in group] for group in nested]
 
 
+def rl_micro_batches(model, shapes_per_batch):
+    """One RLMicroBatch per shape list, with behaviour and reference log-probs near the model's own."""
+    from megatron_dualkv.rl import RLMicroBatch, forward_logprobs
+
+    out = []
+    for seed, shapes in enumerate(shapes_per_batch):
+        batch = make_batch(shapes, seed=seed)
+        with torch.no_grad():
+            current = forward_logprobs(model, batch)
+        out.append(RLMicroBatch(batch, perturbed(current, 0.3, seed), perturbed(current, 0.1, seed + 10)))
+    return out
+
+
 def max_abs_diff(a, b):
     return max((x - y).abs().max().item() for ga, gb in zip(a, b) for x, y in zip(ga, gb))
+
+
+def config_of(card, **overrides):
+    """The float32 TransformerConfig build_model would make from ``card`` (no parallelism)."""
+    from megatron_dualkv.mcore import ParallelSizes
+    from megatron_dualkv.models import FAMILIES, build_transformer_config, load_card
+
+    card = load_card(card)
+    return build_transformer_config(card, FAMILIES[card.model_type], ParallelSizes(), torch.float32, False, overrides)
+
+
+def model_kwargs_of(card):
+    from megatron_dualkv.models import FAMILIES, load_card
+
+    card = load_card(card)
+    return FAMILIES[card.model_type].gpt_model_kwargs(card)

@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 
 from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
 from megatron_dualkv.ops.dualkv_attn import kernel_config, key_items, kernel_tables
-from megatron_dualkv.ops.reference import dualkv_attention_reference
 from strategies import rollout_groups
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests; GPU has its own module")

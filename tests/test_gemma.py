@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig, Gemma4TextConfig
 
-from megatron_dualkv.mcore import DualKVAttention, ParallelSizes
+from megatron_dualkv.mcore import DualKVAttention
 from megatron_dualkv.mcore.gemma import GemmaRMSNorm, GemmaTransformerLayer, PostNormRowParallelLinear, RopeSpec
-from megatron_dualkv.models import FAMILIES, ModelCard, build_model, build_transformer_config, load_card
-from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward, forward_logprobs
-from rollouts import make_batch, max_abs_diff, perturbed
+from megatron_dualkv.models import ModelCard, build_model, load_card
+from megatron_dualkv.rl import GRPOLoss, forward_backward, forward_logprobs
+from rollouts import config_of, make_batch, max_abs_diff, model_kwargs_of, rl_micro_batches
 
 HF_CONFIGS = {"gemma3_text": Gemma3TextConfig, "gemma4_text": Gemma4TextConfig}
 NOT_HF_ATTRIBUTES = {"name", "source", "model_type", "torch_dtype", "dtype", "rope_theta", "rope_local_base_freq",
@@ -19,14 +19,6 @@ NOT_HF_ATTRIBUTES = {"name", "source", "model_type", "torch_dtype", "dtype", "ro
 SHAPES = [[(9, [3, 1, 7]), (2, [5, 2]), (13, [6, 1])], [(11, [2, 8, 4, 1]), (7, [9])]]
 
 
-def config_of(card, **overrides):
-    card = load_card(card)
-    return build_transformer_config(card, FAMILIES[card.model_type], ParallelSizes(), torch.float32, False, overrides)
-
-
-def model_kwargs_of(card):
-    card = load_card(card)
-    return FAMILIES[card.model_type].gpt_model_kwargs(card)
 
 
 def comparable(config):
@@ -153,14 +145,6 @@ def test_layers_follow_the_layer_types(model):
     assert model.output_layer.weight is None, "tied to the embedding"
 
 
-def micro_batches(model):
-    out = []
-    for seed, shapes in enumerate(SHAPES):
-        batch = make_batch(shapes, seed=seed)
-        with torch.no_grad():
-            current = forward_logprobs(model, batch)
-        out.append(RLMicroBatch(batch, perturbed(current, 0.3, seed), perturbed(current, 0.1, seed + 10)))
-    return out
 
 
 def run(model, batches, layout):
@@ -174,7 +158,7 @@ def run(model, batches, layout):
 def test_packed_equals_replicated(model):
     """Log-probs and GRPO gradients of every parameter: DualKV attention with the left window in
     logical positions on the packed layout == Megatron's sliding-window attention replicated."""
-    batches = micro_batches(model)
+    batches = rl_micro_batches(model, SHAPES)
     packed, packed_grads = run(model, batches, "packed")
     replicated, replicated_grads = run(model, batches, "replicated")
     for p, r in zip(packed, replicated):

@@ -5,21 +5,14 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-from megatron_dualkv.mcore import DualKVAttention, ParallelSizes, dualkv_local_block_spec, dualkv_te_block_spec
+from megatron_dualkv.mcore import DualKVAttention, dualkv_local_block_spec, dualkv_te_block_spec
 from megatron_dualkv.mcore.layer_specs import transformer_engine_available
-from megatron_dualkv.models import FAMILIES, ModelCard, available_cards, build_model, build_transformer_config, load_card
+from megatron_dualkv.models import ModelCard, available_cards, build_model, load_card
+from rollouts import config_of, model_kwargs_of
 
 NOT_ARCHITECTURE = {"name", "source", "model_type", "torch_dtype", "rope_theta", "rope_scaling"}
 
 
-def config_of(card, **overrides):
-    card = load_card(card)
-    return build_transformer_config(card, FAMILIES[card.model_type], ParallelSizes(), torch.float32, False, overrides)
-
-
-def model_kwargs_of(card):
-    card = load_card(card)
-    return FAMILIES[card.model_type].gpt_model_kwargs(card)
 
 
 def test_every_model_has_a_card():

@@ -5,7 +5,7 @@ import torch
 
 from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import DAPOLoss, GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs
-from rollouts import make_batch, max_abs_diff, perturbed
+from rollouts import max_abs_diff, rl_micro_batches
 
 SHAPES = [
     [(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1])],
@@ -20,15 +20,6 @@ def model(request):
     return build_model(request.param, moe_aux_loss_coeff=0.0)
 
 
-def micro_batches(model):
-    """Two micro-batches with behaviour and reference log-probs near the model's own."""
-    out = []
-    for seed, shapes in enumerate(SHAPES):
-        batch = make_batch(shapes, seed=seed)
-        with torch.no_grad():
-            current = forward_logprobs(model, batch)
-        out.append(RLMicroBatch(batch, perturbed(current, 0.3, seed), perturbed(current, 0.1, seed + 10)))
-    return out
 
 
 def run(model, batches, loss_fn, layout):
@@ -41,7 +32,7 @@ def run(model, batches, loss_fn, layout):
 
 @pytest.mark.parametrize("loss_fn", [GRPOLoss(clip_eps=0.2, kl_coef=0.05), DAPOLoss()], ids=["grpo", "dapo"])
 def test_packed_equals_replicated(model, loss_fn):
-    batches = micro_batches(model)
+    batches = rl_micro_batches(model, SHAPES)
     packed, packed_grads = run(model, batches, loss_fn, "packed")
     replicated, replicated_grads = run(model, batches, loss_fn, "replicated")
     for p, r in zip(packed, replicated):
@@ -58,7 +49,7 @@ def test_packed_equals_replicated(model, loss_fn):
 
 def test_gradient_is_the_mean_over_micro_batches_of_the_loss(model):
     """What the schedule backpropagates: (loss_1 + loss_2) / 2 of the loss on forward_logprobs."""
-    batches, loss_fn = micro_batches(model), GRPOLoss(clip_eps=0.2, kl_coef=0.05)
+    batches, loss_fn = rl_micro_batches(model, SHAPES), GRPOLoss(clip_eps=0.2, kl_coef=0.05)
     outputs, grads = run(model, batches, loss_fn, "packed")
     total = 0
     for mb, out in zip(batches, outputs):
@@ -75,7 +66,7 @@ def test_gradient_is_the_mean_over_micro_batches_of_the_loss(model):
 
 
 def test_forward_only_collects_logprobs_without_gradients(model):
-    batches = [RLMicroBatch(mb.batch) for mb in micro_batches(model)]
+    batches = [RLMicroBatch(mb.batch) for mb in rl_micro_batches(model, SHAPES)]
     outputs = forward_backward(model, batches)
     for mb, out in zip(batches, outputs):
         assert max_abs_diff(out.logprobs, forward_logprobs(model, mb.batch)) < 1e-6
@@ -84,7 +75,7 @@ def test_forward_only_collects_logprobs_without_gradients(model):
 
 
 def test_given_advantages_replace_the_rewards(model):
-    mb = micro_batches(model)[0]
+    mb = rl_micro_batches(model, SHAPES)[0]
     advantages = torch.linspace(-1, 1, mb.batch.layout.num_responses)
     out = forward_backward(model, [RLMicroBatch(mb.batch, mb.old_logprobs, advantages=advantages)], GRPOLoss())[0]
     assert torch.cat(out.metrics["advantage"]).tolist() == pytest.approx(advantages.tolist())
@@ -92,10 +83,10 @@ def test_given_advantages_replace_the_rewards(model):
 
 
 def test_bad_input(model):
-    mb = micro_batches(model)[0]
+    mb = rl_micro_batches(model, SHAPES)[0]
     with pytest.raises(ValueError, match="needs the micro-batch's old_logprobs"):
         forward_backward(model, [RLMicroBatch(mb.batch)], GRPOLoss())
-    other = micro_batches(model)[1]
+    other = rl_micro_batches(model, SHAPES)[1]
     with pytest.raises(ValueError, match="old_logprobs: group 0 has 1 responses, the batch has 3"):
         forward_backward(model, [RLMicroBatch(mb.batch, other.old_logprobs)], GRPOLoss())
     with pytest.raises(ValueError, match="needs ref_logprobs"):
