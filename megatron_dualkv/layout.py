@@ -55,22 +55,14 @@ class DualKVLayout:
     def __post_init__(self):
         _check_lengths(self.prompt_lens, self.response_lens, self.pad_len)
         object.__setattr__(self, "device", torch.device(self.device))
-        seg_lens, seg_group, seg_prompt = [], [], []
-        for g, (p, rs) in enumerate(zip(self.prompt_lens, self.response_lens)):
-            seg_lens += [p, *rs]
+        seg_group, seg_prompt, positions = [], [], []
+        for g, (p, rs) in enumerate(self.groups_with_padding()):
             seg_group += [g] * (1 + len(rs))
             seg_prompt += [True] + [False] * len(rs)
-        if self.pad_len:
-            seg_lens.append(self.pad_len)
-            seg_group.append(len(self.prompt_lens))
-            seg_prompt.append(True)
-        positions = []
-        for p, rs in self.groups_with_padding():
-            positions.append(torch.arange(p))
-            positions += [torch.arange(p, p + r) for r in rs]
+            positions += [torch.arange(p)] + [torch.arange(p, p + r) for r in rs]
         kw = dict(dtype=torch.int32, device=self.device)
         tensors = dict(
-            cu_seqlens=torch.tensor([0, *accumulate(seg_lens)], **kw),
+            cu_seqlens=torch.tensor([0, *accumulate(self.segment_lens)], **kw),
             segment_group=torch.tensor(seg_group, **kw),
             segment_is_prompt=torch.tensor(seg_prompt, dtype=torch.bool, device=self.device),
             group_start=torch.tensor([0, *accumulate(p + sum(rs) for p, rs in self.groups_with_padding())], **kw),
@@ -100,10 +92,6 @@ class DualKVLayout:
     def segment_lens(self) -> Tuple[int, ...]:
         lens = [n for p, rs in self.groups_with_padding() for n in (p, *rs)]
         return tuple(lens)
-
-    @cached_property
-    def segment_starts(self) -> Tuple[int, ...]:
-        return tuple(accumulate(self.segment_lens, initial=0))[:-1]
 
     @property
     def total_tokens(self) -> int:
@@ -148,12 +136,12 @@ class DualKVLayout:
                 start += r
         return tuple(out)
 
-    @property
+    @cached_property
     def loss_mask(self) -> torch.Tensor:
         """(T,) bool: True on response tokens (what RL losses train), False on prompts and padding."""
         mask = torch.zeros(self.total_tokens, dtype=torch.bool)
-        for start, length, _, prefix_len in self.segments[: len(self.segments) - (self.pad_len > 0)]:
-            if prefix_len:
+        for start, length, _, prefix_len in self.segments:
+            if prefix_len:  # responses; prompts and padding have no prefix
                 mask[start : start + length] = True
         return mask.to(self.device)
 

@@ -509,16 +509,15 @@ def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: in
     """
 
     def build():
+        # A prompt key is seen by its group's queries up to the group's end (responses follow
+        # their prompt); a response key by its own response's queries.
+        group_end = {}
+        for start, length, prefix_start, prefix_len in layout.segments:
+            group_end[prefix_start if prefix_len else start] = start + length
         tiles = []  # (k_start, k_end, q_hi)
-        start = 0
-        for prompt_len, responses in layout.groups_with_padding():
-            group_end = start + prompt_len + sum(responses)
-            for seg_start, seg_len, q_hi in [(start, prompt_len, group_end)] + [
-                (s, r, s + r) for s, r in zip(np.cumsum([start + prompt_len, *responses[:-1]]), responses)
-            ]:
-                for k0 in range(seg_start, seg_start + seg_len, block_n):
-                    tiles.append((k0, min(k0 + block_n, seg_start + seg_len), q_hi))
-            start = group_end
+        for start, length, _, prefix_len in layout.segments:
+            q_hi = start + length if prefix_len else group_end[start]
+            tiles += [(k0, min(k0 + block_n, start + length), q_hi) for k0 in range(start, start + length, block_n)]
         # chunk length: enough items for a few waves of the GPU, never below one query block
         total_queries = sum(q_hi - k0 for k0, _, q_hi in tiles)
         target_items = max(len(tiles), 4 * sm_count // max(num_kv_heads, 1))
