@@ -62,3 +62,15 @@ def test_fuzzed_layouts(groups, heads, d, dtype, window, softcap, deterministic)
 def test_head_dims(d, dtype):
     layout = DualKVLayout((1000, 1), ((129, 700, 1, 64), (1, 1)), pad_len=3).to("cuda")
     check_flash_style(layout, 8, 2, d, dtype, window_size=300 if d >= 256 else None, deterministic=d in (96, 256))
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_fused_dq_at_every_head_dim(d, monkeypatch):
+    """dQ accumulated by the dK/dV pass (TMA bulk reductions on Hopper) also where the defaults run the dQ pass."""
+    from megatron_dualkv.ops import dualkv_attn as kernels
+
+    fitting = ((128, kernels.KernelConfig(64, 128, 8, 3)), (256, kernels.KernelConfig(32, 64, 8, 2)))
+    monkeypatch.setitem(kernels.GPU_CONFIGS, "dkdv_dq", fitting)
+    layout = DualKVLayout((1000, 1), ((129, 700, 1, 64), (1, 1)), pad_len=3).to("cuda")
+    check_flash_style(layout, 8, 2, d, torch.bfloat16, window_size=300 if d == 192 else None,
+                      softcap=30.0 if d == 96 else None)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-from megatron_dualkv.mcore import DualKVAttention, dualkv_local_block_spec, dualkv_te_block_spec
+from megatron_dualkv.mcore import DualKVAttention, dualkv_te_block_spec
 from megatron_dualkv.mcore.layer_specs import transformer_engine_available
 from megatron_dualkv.models import ModelCard, available_cards, build_model, load_card
 from rollouts import config_of, model_kwargs_of
@@ -156,10 +156,11 @@ def test_overrides_and_dtype():
 
 
 def test_mixed_dense_and_moe_spec():
-    c = config_of(card_with("qwen3-moe-tiny", num_hidden_layers=3, mlp_only_layers=[1]))
-    layers = dualkv_local_block_spec(c).layer_specs
-    assert [spec.submodules.mlp.module.__name__ for spec in layers] == ["MoELayer", "MLP", "MoELayer"]
-    assert all(spec.submodules.self_attention.submodules.core_attention is DualKVAttention for spec in layers)
+    # the built modules, not the spec: Megatron versions spell submodule specs differently
+    model = build_model(card_with("qwen3-moe-tiny", num_hidden_layers=3, mlp_only_layers=[1]))
+    layers = model.decoder.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["MoELayer", "MLP", "MoELayer"]
+    assert all(type(layer.self_attention.core_attention) is DualKVAttention for layer in layers)
 
 
 @pytest.mark.skipif(transformer_engine_available(), reason="checks the error without Transformer Engine")

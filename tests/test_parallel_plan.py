@@ -10,7 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dualkv.mcore import DualKVAttention, DualKVPackedSeqParams, ParallelSizes, plan_parallel
 from megatron_dualkv.mcore.context_parallel import context_parallel_params, context_parallel_slice, kv_head_replication
-from megatron_dualkv.mcore.norms import SequenceParallelTorchNorm
+from megatron_dualkv.mcore.norms import FusedRMSNorm, SequenceParallelTorchNorm
 from megatron_dualkv.models import build_model
 from rollouts import make_batch
 
@@ -107,6 +107,32 @@ def test_sequence_parallel_norm_marks_its_parameters():
     assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
     assert norm.weight.sequence_parallel and sp.sequence_parallel, "the model's config keeps sequence_parallel"
     assert SequenceParallelTorchNorm(TransformerConfig(**base), 8).weight.sequence_parallel is False
+
+
+def test_rms_norm_is_the_fused_one_and_layer_norm_stays_torchs():
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2)
+    rms = SequenceParallelTorchNorm(TransformerConfig(**base, normalization="RMSNorm"), 8, eps=1e-6)
+    assert type(rms) is FusedRMSNorm
+    assert type(SequenceParallelTorchNorm(TransformerConfig(**base, normalization="LayerNorm"), 8)) is torch.nn.LayerNorm
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused (compiled) path runs on CUDA")
+def test_fused_rms_norm_matches_torch_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(333, 2, 4096, device="cuda", generator=g).bfloat16()
+    dout = torch.randn_like(x)
+    fused = FusedRMSNorm(4096, eps=1e-6).cuda().bfloat16()
+    with torch.no_grad():
+        fused.weight.copy_(1 + 0.1 * torch.randn(4096, device="cuda", generator=g))
+    exact = torch.nn.RMSNorm(4096, eps=1e-6).cuda().double()
+    exact.load_state_dict(fused.state_dict())
+    results = []
+    for norm, inp in ((fused, x), (exact, x.double())):
+        inp = inp.clone().requires_grad_()
+        out = norm(inp)
+        results.append((out, *torch.autograd.grad(out, (inp, norm.weight), dout.to(inp.dtype))))
+    for name, a, b in zip(("out", "dx", "dweight"), *results):
+        torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=name)
 
 
 def test_attention_refuses_megatrons_context_parallelism():

@@ -34,6 +34,30 @@ def test_vocab_parallel_logprobs_on_one_rank():
     assert vocab_parallel_logprobs(logits, targets)[1] is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused (compiled) path runs on CUDA")
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_cuda_path_matches_float64(with_entropy):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 37, 3001  # odd sizes: no block divides them
+    logits = (4 * torch.randn(rows, vocab, device="cuda", generator=g)).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    weights = torch.randn(2, rows, device="cuda", generator=g)
+    logprobs, entropy = vocab_parallel_logprobs(logits, targets, None, with_entropy)
+    loss = (weights[0] * logprobs).sum() + ((weights[1] * entropy).sum() if with_entropy else 0)
+    (grad,) = torch.autograd.grad(loss, logits)
+    exact = logits.detach().double().requires_grad_()
+    log_softmax = torch.log_softmax(exact, -1)
+    exact_loss = (weights[0].double() * log_softmax[torch.arange(rows), targets]).sum()
+    if with_entropy:
+        exact_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        torch.testing.assert_close(entropy.double(), exact_entropy, rtol=1e-5, atol=1e-5)
+        exact_loss = exact_loss + (weights[1].double() * exact_entropy).sum()
+    (exact_grad,) = torch.autograd.grad(exact_loss, exact)
+    torch.testing.assert_close(logprobs.double(), log_softmax[torch.arange(rows), targets].detach(), rtol=1e-5, atol=1e-5)
+    # the gradient is stored in bfloat16: compare at its precision
+    torch.testing.assert_close(grad.double(), exact_grad, rtol=1e-2, atol=1e-2 * exact_grad.abs().max().item())
+
+
 def test_indexing_against_a_hand_computation(dense):
     """Token j of a response is predicted by the logits one position earlier in its own sequence:
     the group's last prompt token for j = 0, the response's previous token otherwise."""

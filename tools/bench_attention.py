@@ -134,7 +134,12 @@ def measure(method: str, w: Workload):
 
 
 def candidates(pass_name: str, d: int):
-    """Block configs worth trying for one pass: large query blocks for fwd/dQ, large key tiles for dK/dV."""
+    """Block configs worth trying for one pass: large query blocks for fwd/dQ, large key tiles for dK/dV.
+    "fused": configs of the dK/dV pass that also accumulates dQ ("dkdv_dq"), fewer of them (each
+    compiles the largest kernel)."""
+    if pass_name == "fused":
+        blocks = ((64, 64), (64, 128), (32, 128)) if d <= 128 else ((32, 64), (64, 64), (32, 32))
+        return [kernels.KernelConfig(bm, bn, warps, 2) for (bm, bn), warps in itertools.product(blocks, (4, 8))]
     big, small = ((128, 64), (32, 64)) if d <= 128 else ((64,), (16, 32))
     if pass_name == "dkdv":
         blocks = itertools.product(small, (64, 128) if d <= 128 else (32, 64))
@@ -144,17 +149,20 @@ def candidates(pass_name: str, d: int):
             for (bm, bn), warps, stages in itertools.product(blocks, (4, 8), (2, 3) if d <= 256 else (1, 2))]
 
 
-def tune(w: Workload, passes):
+def tune(w: Workload, passes, configs=None):
     """Time each candidate config of each pass on one workload (the other passes at their defaults)."""
     layout = w.layout()
     q, k, v = inputs(w)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
+    defaults = dict(kernels.GPU_CONFIGS)
     for pass_name in passes:
-        default = kernels.GPU_CONFIGS[pass_name]
         timings = []
-        for cfg in candidates(pass_name, w.d):
-            kernels.GPU_CONFIGS[pass_name] = ((1 << 20, cfg),)
+        for cfg in configs or candidates(pass_name, w.d):
+            # "fused" times the dK/dV pass that accumulates dQ, the others the separate passes
+            kernels.GPU_CONFIGS["dkdv_dq"] = ((1 << 20, cfg if pass_name == "fused" else None),)
+            if pass_name != "fused":
+                kernels.GPU_CONFIGS[pass_name] = ((1 << 20, cfg),)
             try:
                 if pass_name == "fwd":
                     ms = bench(lambda: dualkv_attn_func(*x, layout, backend="triton"))
@@ -162,10 +170,10 @@ def tune(w: Workload, passes):
                     o = dualkv_attn_func(*x, layout, backend="triton")
                     ms = bench(lambda: torch.autograd.grad(o, x, dout, retain_graph=True))
             except Exception as e:  # noqa: BLE001 - out of shared memory and the like: skip the config
-                print(f"{w.name} {pass_name} {cfg}: {type(e).__name__}", flush=True)
+                print(f"{w.name} {pass_name} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             finally:
-                kernels.GPU_CONFIGS[pass_name] = default
+                kernels.GPU_CONFIGS.update(defaults)
             timings.append((ms, cfg))
             print(f"{w.name} {pass_name} {cfg}: {ms:.2f} ms", flush=True)
         if timings:
@@ -200,12 +208,15 @@ def main():
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default="bench")
-    parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv) whose configs to sweep instead")
+    parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv,fused) whose configs to sweep instead")
+    parser.add_argument("--configs", default="", help="with --tune: these configs instead of the built-in candidates, "
+                        "'block_m,block_n,warps,stages' separated by ';'")
     args = parser.parse_args()
     workloads = [w for w in WORKLOADS + TUNING_WORKLOADS if w.name in args.workloads.split(",")]
     if args.tune:
+        configs = [kernels.KernelConfig(*map(int, c.split(","))) for c in args.configs.split(";") if c]
         for w in workloads:
-            tune(w, args.tune.split(","))
+            tune(w, args.tune.split(","), configs)
         return
     rows = []
     for w in workloads:

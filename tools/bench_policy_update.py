@@ -163,11 +163,36 @@ def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tf
     return result
 
 
-def bench_model(card: Path, layers: int, workloads, args, peak_tflops: float) -> List[Result]:
-    script_args = policy_update.parse_args([
+def profile_step(card: Path, workload, args) -> None:
+    """Kernel-time table of one packed step (after two warm-up steps), printed and written to the out folder."""
+    from torch.profiler import ProfilerActivity, profile
+
+    policy = policy_update.build_policy(policy_args(card, args))
+    n, p, r = workload
+    group = rollout_group(n, p, r, policy.vocab_size, seed=n)
+
+    def step():
+        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], p + n * r, "packed")
+
+    step(), step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        print(f"profiled step: {step().seconds:.4g} s", flush=True)
+    sort_by = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
+    print(table, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"profile_{card.stem}.txt").write_text(table)
+
+
+def policy_args(card: Path, args):
+    return policy_update.parse_args([
         "--model", str(card), "--dtype", args.dtype, "--lr", "1e-6", "--clip-grad", "0" if args.device == "cpu" else "1.0",
     ])
-    policy = policy_update.build_policy(script_args)
+
+
+def bench_model(card: Path, layers: int, workloads, args, peak_tflops: float) -> List[Result]:
+    policy = policy_update.build_policy(policy_args(card, args))
     use_sdpa_for_replicated(policy.model)
     results = []
     for n, p, r in workloads:
@@ -230,6 +255,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--dense-layers", type=int, default=4, help="Qwen3-8B-dimension layers")
     parser.add_argument("--moe-layers", type=int, default=4, help="Qwen3-30B-A3B-dimension MoE layers")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
+    parser.add_argument("--models", default="dense,moe", help="comma list of dense, moe")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: profile one packed step of each model at the first workload (kernel time table)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -241,13 +269,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     peak = (policy_update.measure_matmul_tflops() if args.device == "cuda"
             else policy_update.measure_matmul_tflops(size=1024, device="cpu", dtype=torch.float32))
     print(f"measured {args.dtype} matmul peak: {peak:.4g} TFLOP/s", flush=True)
-    print(" | ".join(COLUMNS), flush=True)
-    models = ([("qwen3-tiny", 2), ("qwen3-moe-tiny", 2)] if args.tiny
-              else [("qwen3-8b", args.dense_layers), ("qwen3-30b-a3b", args.moe_layers)])
+    if not args.profile:
+        print(" | ".join(COLUMNS), flush=True)
+    cards = ({"dense": ("qwen3-tiny", 2), "moe": ("qwen3-moe-tiny", 2)} if args.tiny
+             else {"dense": ("qwen3-8b", args.dense_layers), "moe": ("qwen3-30b-a3b", args.moe_layers)})
+    models = [cards[name] for name in args.models.split(",")]
+    workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for card, layers in models:
-            results += bench_model(layer_card(card, layers, Path(tmp)), layers, TINY_WORKLOADS if args.tiny else WORKLOADS, args, peak)
+            if args.profile:
+                profile_step(layer_card(card, layers, Path(tmp)), workloads[0], args)
+                free_memory()
+            else:
+                results += bench_model(layer_card(card, layers, Path(tmp)), layers, workloads, args, peak)
+    if args.profile:
+        return
     write_outputs(results, args.out, peak, "SDPA cuDNN" if args.device == "cuda" else "SDPA math (CPU)")
     print(f"wrote {args.out / 'policy_update.csv'} and {args.out / 'policy_update.png'}")
 

@@ -148,14 +148,13 @@ class GemmaSelfAttention(SelfAttention):
         submodules: GemmaSelfAttentionSubmodules,
         layer_number: int,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
+        **kwargs,  # what the Megatron version hands SelfAttention (cp_comm_type, pg_collection, ...)
     ):
         keys_are_values = config.full_attention_keys_are_values and config.is_full_attention(layer_number)
         if keys_are_values:
             submodules = replace(submodules, linear_qkv=_without_value_rows(submodules.linear_qkv))
         rope_columns = config.rope_columns(layer_number)
-        super().__init__(config.for_layer(layer_number), submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
+        super().__init__(config.for_layer(layer_number), submodules, layer_number, attn_mask_type, **kwargs)
         self.keys_are_values = keys_are_values
         self.rope_columns = rope_columns
         if keys_are_values:

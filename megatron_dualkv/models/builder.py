@@ -9,7 +9,6 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.moe import grouped_gemm_util
 
 from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
@@ -131,9 +130,18 @@ def build_transformer_config(
     if kwargs.get("num_moe_experts"):
         # TE: TEGroupedMLP. Local: legacy GroupedMLP needs the grouped_gemm CUDA package,
         # otherwise SequentialMLP (a loop over experts, any device).
-        kwargs["moe_grouped_gemm"] = use_transformer_engine or grouped_gemm_util.grouped_gemm_is_available()
+        kwargs["moe_grouped_gemm"] = use_transformer_engine or _legacy_grouped_gemm_available()
     kwargs.update(overrides)
     return family.config_class(**kwargs)
+
+
+def _legacy_grouped_gemm_available() -> bool:
+    # Megatron-Core 0.17+ removed the legacy GroupedMLP with its grouped_gemm wrapper.
+    try:
+        from megatron.core.transformer.moe import grouped_gemm_util
+    except ImportError:
+        return False
+    return grouped_gemm_util.grouped_gemm_is_available()
 
 
 def _param_dtype(card: ModelCard, dtype: Optional[torch.dtype]) -> torch.dtype:

@@ -39,10 +39,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.serialization import (
-    get_default_save_common_strategy,
-    get_default_save_sharded_strategy,
-)
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import unwrap_model
 from torch import Tensor
@@ -377,9 +374,10 @@ def _write_dist_checkpoint(folder: Path, items: List[WriteItem], resolve, progre
             dcp.save({}, storage_writer=writer, planner=_StreamingSavePlanner(items, resolve_with_progress), no_dist=True)
         except CheckpointException as err:  # a BaseException wrapping what failed: hand that on
             raise next(iter(err.failures.values()))[0] from None
-    sharded, common = get_default_save_sharded_strategy(), get_default_save_common_strategy()
-    common.save_common({}, folder)
-    save_config(CheckpointingConfig(sharded.backend, sharded.version, common.backend, common.version), str(folder))
+    # An empty common.pt: Megatron-Core up to 0.16 requires it, later versions still read it.
+    torch.save({}, folder / "common.pt")
+    sharded = get_default_save_sharded_strategy()
+    save_config(CheckpointingConfig(sharded.backend, sharded.version), str(folder))
 
 
 # ---------------------------------------------------------------- reading: Megatron -> Hugging Face

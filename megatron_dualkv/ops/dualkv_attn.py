@@ -15,9 +15,10 @@ One launch per micro-batch covers every group. Work is described by host-built t
   writing an fp32 partial, reduced afterwards in a fixed order, so the grid stays full and dK/dV
   are bitwise reproducible. GQA is reduced inside the program (loop over the query heads of the
   key/value head): no expanded K/V, no expanded dK/dV.
-* dQ: its own pass per (query tile, query head), recomputing the scores (7 matmuls per block pair
-  in the backward instead of 5), or, where it measured faster (head dim 512) and unless
-  ``deterministic``, added by the dK/dV pass to an fp32 buffer with atomics.
+* dQ: unless ``deterministic``, and where it measured faster (head dims 65-128 and 512), added by
+  the dK/dV pass to an fp32 buffer (5 matmuls per block pair): one TMA bulk reduction per block
+  on Hopper, scalar atomics elsewhere. Otherwise its own pass per (query tile, query head),
+  recomputing the scores (7 matmuls per block pair in the backward instead of 5).
 
 Math (per query row i, key j, log2 domain; c = softcap, s = softmax scale):
     x_ij  = s * q_i . k_j
@@ -42,12 +43,14 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import DualKVLayout
 from .checks import check_attention_inputs
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # larger than any position: "window" that never masks
+TMA_MAX_BOX = 256  # a TMA box has at most 256 elements per dimension
 
 
 # ==================================================================================== kernels
@@ -294,17 +297,31 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, TILES, stride_qt, stride_qh, str
 
 
 @triton.jit
-def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_head_off, do_head_off,
+def _atomic_add_dq(dq_ptrs, dq, row_ok, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    if MASKED:
+        tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None] & d_mask[None, :], sem="relaxed")
+    elif EVEN_D:
+        tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+    else:
+        tl.atomic_add(dq_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
+
+
+@triton.jit
+def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_head_off, do_head_off,
                 lse_head_off, dq_head_off, POS, stride_qt, stride_dot, stride_dqt, lo, hi, k_start, window, qk_scale,
                 softcap, offs_m, offs_d, d_mask, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, FUSE_DQ: tl.constexpr):
+                HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr):
     """dk, dv (N, D) += contributions of queries [lo, hi) of one query head.
 
     Queries of the range belong to the key tile's group; without a window a query sees a key iff
     it comes later in the packed order (responses follow their prompt), so only the diagonal and
     the range end need masks. With a window, positions decide and invisible blocks are skipped.
     With FUSE_DQ, the block's dq = dx^T k is added to an fp32 accumulator with atomics (5 matmuls
-    per block pair instead of 4 here plus 3 in a separate dQ pass; not bitwise reproducible).
+    per block pair instead of 4 here plus 3 in a separate dQ pass; not bitwise reproducible). With
+    TMA_DQ, DQ_ACC is a (T, Hq, D) tensor descriptor and each block is one bulk reduction
+    (cp.reduce.async.bulk) rather than BLOCK_M * D scalar atomics: the atomics' L2 traffic is what
+    made the pointer version slower than the separate pass at D=128 (PERF_NOTES.md, runs 6-7).
     """
     for start in range(lo, hi, BLOCK_M):
         i = start + offs_m
@@ -334,13 +351,12 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_AC
             dk += tl.dot(dx.to(q.dtype), q)
             if FUSE_DQ:
                 dq = tl.dot(tl.trans(dx.to(k.dtype)), k)
-                dq_ptrs = DQ_ACC + dq_head_off + rows[:, None] * stride_dqt + offs_d[None, :]
-                if MASKED:
-                    tl.atomic_add(dq_ptrs, dq, mask=(i < hi)[:, None] & d_mask[None, :], sem="relaxed")
-                elif EVEN_D:
-                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                if TMA_DQ:
+                    # rows past `hi` add zeros (p = 0 there); rows past T and columns past D are clipped
+                    DQ_ACC.atomic_add([start, h, 0], tl.reshape(dq, [BLOCK_M, 1, BLOCK_D]))
                 else:
-                    tl.atomic_add(dq_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
+                    _atomic_add_dq(DQ_ACC + dq_head_off + rows[:, None] * stride_dqt + offs_d[None, :], dq, i < hi,
+                                   d_mask, MASKED, EVEN_D)
     return dk, dv
 
 
@@ -350,7 +366,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, POS, ITEMS, PARTIA
                      stride_dvt, stride_dvh, T, sm_scale, qk_scale, softcap, window, NUM_KV_HEADS: tl.constexpr,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                     FUSE_DQ: tl.constexpr):
+                     FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr):
     pid = tl.program_id(0)
     hk = pid % NUM_KV_HEADS
     item = pid // NUM_KV_HEADS
@@ -385,15 +401,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, POS, ITEMS, PARTIA
     for g in range(GROUP):
         h = hk * GROUP + g
         q_off, do_off, lse_off, dq_off = h * stride_qh, h * stride_doh, h.to(tl.int64) * T, h * HEAD_DIM
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, lse_off,
-                             dq_off, POS, stride_qt, stride_dot, stride_dqt, q_lo, m1, k_start, window, qk_scale,
-                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D, FUSE_DQ)
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, lse_off,
-                             dq_off, POS, stride_qt, stride_dot, stride_dqt, m1, m2, k_start, window, qk_scale,
-                             softcap, offs_m, offs_d, d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D, FUSE_DQ)
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, q_off, do_off, lse_off,
-                             dq_off, POS, stride_qt, stride_dot, stride_dqt, m2, q_hi, k_start, window, qk_scale,
-                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, EVEN_D, FUSE_DQ)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_off, do_off,
+                             lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, q_lo, m1, k_start, window, qk_scale,
+                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, BLOCK_D, EVEN_D, FUSE_DQ,
+                             TMA_DQ)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_off, do_off,
+                             lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, m1, m2, k_start, window, qk_scale,
+                             softcap, offs_m, offs_d, d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, BLOCK_D, EVEN_D, FUSE_DQ,
+                             TMA_DQ)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_off, do_off,
+                             lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, m2, q_hi, k_start, window, qk_scale,
+                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, BLOCK_D, EVEN_D, FUSE_DQ,
+                             TMA_DQ)
     dk = dk * sm_scale
     if slot < 0:
         tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -446,30 +465,44 @@ class KernelConfig:
     block_n: int  # key rows per block
     num_warps: int
     num_stages: int
-    # "dq" pass only: unless deterministic, accumulate dQ with atomics inside the dK/dV pass
-    # instead of running this pass (H200: 1.3x faster at head dim 512, 1.5x slower at 128)
-    atomic_dq: bool = False
 
 
 # pass -> ((max head dim, config), ...): the first entry whose head dim fits. The dK/dV pass keeps a
 # key tile resident and streams small query blocks; the forward and dQ passes the reverse.
+# "dkdv_dq" is the dK/dV pass that also accumulates dQ in fp32 (TMA bulk reductions on Hopper up to
+# head dim 256, scalar atomics beyond), used unless ``deterministic``; None where the separate dQ
+# pass measured faster on the H200 (64: not measured; 256: 45.0 ms vs 43.8 ms backward).
 GPU_CONFIGS = {
     "fwd": ((64, KernelConfig(128, 64, 4, 3)), (128, KernelConfig(128, 128, 8, 3)),
             (256, KernelConfig(64, 32, 4, 2)), (512, KernelConfig(64, 64, 8, 1))),
     "dq": ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 64, 8, 3)),
-           (256, KernelConfig(64, 64, 4, 2)), (512, KernelConfig(64, 32, 4, 1, atomic_dq=True))),
+           (256, KernelConfig(64, 64, 4, 2)), (512, KernelConfig(64, 32, 4, 1))),
     "dkdv": ((64, KernelConfig(64, 64, 4, 2)), (128, KernelConfig(64, 64, 4, 2)),
              (256, KernelConfig(32, 64, 8, 3)), (512, KernelConfig(32, 32, 8, 2))),
+    "dkdv_dq": ((64, None), (128, KernelConfig(64, 128, 8, 3)), (256, None), (512, KernelConfig(32, 32, 8, 2))),
 }
 # the interpreter runs blocks as numpy arrays: small blocks keep CPU tests fast and multi-block;
-# atomic dQ there so that tests cover both dQ strategies (deterministic=True takes the other)
-INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1, atomic_dq=True)
+# dQ fused there unless deterministic, so that tests cover both backward plans
+INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
 
 
-def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> KernelConfig:
+def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> Optional[KernelConfig]:
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     return next(cfg for max_d, cfg in GPU_CONFIGS[pass_name] if head_dim <= max_d)
+
+
+def backward_plan(head_dim: int, device: torch.device, deterministic: bool):
+    """(config of the separate dQ pass, or None when the dK/dV pass accumulates dQ; dK/dV config)."""
+    fused = None if deterministic else kernel_config("dkdv_dq", head_dim, device)
+    if fused is not None:
+        return None, fused
+    return kernel_config("dq", head_dim, device), kernel_config("dkdv", head_dim, device)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Bulk tensor copies and reductions (TMA): Hopper and later; the interpreter has none."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -554,12 +587,13 @@ class KernelTables:
 
 
 @torch.compiler.disable
-def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int) -> KernelTables:
+def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
-    fwd, dq, dkdv = (kernel_config(name, head_dim, layout.device) for name in ("fwd", "dq", "dkdv"))
+    fwd = kernel_config("fwd", head_dim, layout.device)
+    dq, dkdv = backward_plan(head_dim, layout.device, deterministic)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
-    return KernelTables(query_tiles(layout, fwd.block_m), query_tiles(layout, dq.block_m), items, reduce, slots,
-                        layout.position_ids)
+    dq_tiles = query_tiles(layout, dq.block_m) if dq else _int32(np.zeros((0, 5)), layout.device)  # no dQ pass
+    return KernelTables(query_tiles(layout, fwd.block_m), dq_tiles, items, reduce, slots, layout.position_ids)
 
 
 def _window(window_size: Optional[int]) -> int:
@@ -590,7 +624,7 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
-    dq_cfg, kv_cfg = kernel_config("dq", D, q.device), kernel_config("dkdv", D, q.device)
+    dq_cfg, kv_cfg = backward_plan(D, q.device, deterministic)
     common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D)
     scalars = (sm_scale, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size))
 
@@ -598,7 +632,7 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     _bwd_delta_kernel[(triton.cdiv(T, 64), Hq)](out, do, delta, out.stride(0), out.stride(1), do.stride(0),
                                                 do.stride(1), T, NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_D=BLOCK_D,
                                                 BLOCK_M=64)
-    atomic_dq = dq_cfg.atomic_dq and not deterministic
+    atomic_dq = dq_cfg is None
     if not atomic_dq:
         dq = torch.empty_like(q)
         dq_acc = dq  # unused by the dK/dV pass
@@ -610,14 +644,16 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
         )
     else:
         dq_acc = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
+    tma_dq = atomic_dq and _has_tma(q.device) and BLOCK_D <= TMA_MAX_BOX
+    dq_target = TensorDescriptor.from_tensor(dq_acc, [kv_cfg.block_m, 1, BLOCK_D]) if tma_dq else dq_acc
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
     _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
-        q, k, v, do, dk, dv, dq_acc, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
+        q, k, v, do, dk, dv, dq_target, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0),
         dk.stride(1), dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv,
-        BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=atomic_dq, num_warps=kv_cfg.num_warps,
+        BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=atomic_dq, TMA_DQ=tma_dq, num_warps=kv_cfg.num_warps,
         num_stages=kv_cfg.num_stages, **common,
     )
     if kv_reduce.shape[0]:
@@ -653,7 +689,8 @@ def dualkv_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        num_slots: int, positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
                        softcap: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv. dK/dV chunk partials are always reduced in a fixed order; dQ comes from its own
-    pass, or, where the "dq" config says ``atomic_dq`` and not ``deterministic``, from fp32 atomics."""
+    pass, or, where ``GPU_CONFIGS["dkdv_dq"]`` has a config and not ``deterministic``, from fp32
+    atomics in the dK/dV pass."""
     return _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
                 softcap, deterministic)
 
@@ -688,14 +725,14 @@ def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     """Fused DualKV attention. q (T, Hq, D), k/v (T, Hkv, D), D <= 512 -> (T, Hq, D).
 
     ``deterministic=True`` makes gradients bitwise reproducible: dQ always in its own pass, never
-    with fp32 atomics (the default at head dims <= 256 anyway, where that pass is the faster one).
+    with fp32 atomics (which the default uses where they measured faster: ``GPU_CONFIGS["dkdv_dq"]``).
     """
     sm_scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
     if q.shape[2] > 512:
         raise ValueError(f"the Triton DualKV kernels support head_dim <= 512, got {q.shape[2]}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     layout = layout.to(q.device)
-    t = kernel_tables(layout, q.shape[2], k.shape[1])
+    t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic))
     out, _ = dualkv_attn_fwd_op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions,
                                 sm_scale, window_size, None if softcap is None else float(softcap), bool(deterministic))
     return out

@@ -39,24 +39,37 @@ def vocab_parallel_logprobs(
     """
     world = 1 if tp_group is None else tp_group.size()
     shard = logits.shape[-1]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    row_max = logits.detach().max(dim=-1).values  # a shift only: no gradient needed
+    row_max = logits.detach().max(dim=-1).values.to(torch.promote_types(logits.dtype, torch.float32))  # a shift only
     if world > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - row_max.unsqueeze(-1)
-    exp = shifted.exp()
-    sum_exp = _sum_over_shards(exp.sum(dim=-1), tp_group)
     local_target = targets - (0 if world == 1 else tp_group.rank() * shard)
-    in_shard = (local_target >= 0) & (local_target < shard)
-    target_logit = shifted.gather(-1, local_target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = _sum_over_shards(target_logit * in_shard, tp_group)
+    sums = _shard_sums_fused if logits.is_cuda else _shard_sums
+    sum_exp, target_logit, exp_dot_shifted = sums(logits, row_max, local_target, with_entropy)
+    sum_exp = _sum_over_shards(sum_exp, tp_group)
     log_sum_exp = sum_exp.log()
-    logprobs = target_logit - log_sum_exp
+    logprobs = _sum_over_shards(target_logit, tp_group) - log_sum_exp
     if not with_entropy:
         return logprobs, None
     # H = -sum p log p = log S - sum(exp * shifted) / S
-    entropy = log_sum_exp - _sum_over_shards((exp * shifted).sum(dim=-1), tp_group) / sum_exp
+    entropy = log_sum_exp - _sum_over_shards(exp_dot_shifted, tp_group) / sum_exp
     return logprobs, entropy
+
+
+def _shard_sums(logits: Tensor, row_max: Tensor, local_target: Tensor, with_entropy: bool):
+    """Per row of this rank's shard: sum(exp), the target's shifted logit (0 when the target is in
+    another shard) and, with entropy, sum(exp * shifted); shifted = logit - row_max, upcast."""
+    shifted = logits.to(row_max.dtype) - row_max.unsqueeze(-1)
+    exp = shifted.exp()
+    shard = logits.shape[-1]
+    in_shard = (local_target >= 0) & (local_target < shard)
+    target = shifted.gather(-1, local_target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * in_shard
+    return exp.sum(dim=-1), target, (exp * shifted).sum(dim=-1) if with_entropy else None
+
+
+# On CUDA: one pass over the half-precision logits each way instead of float32 copies of
+# (rows, vocab) for the upcast, the shift and the exponentials, forward and backward (H200,
+# Qwen3-8B vocabulary: about 50 ms of a 0.8 s policy-update step).
+_shard_sums_fused = torch.compile(_shard_sums, dynamic=True)
 
 
 def _sum_over_shards(x: Tensor, tp_group) -> Tensor:
