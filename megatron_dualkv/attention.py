@@ -56,7 +56,6 @@ def dualkv_attn_func(
     otherwise), "triton" or "reference".
     """
     check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
-    layout = layout.to(q.device)
     if resolve_backend(backend, q.device) == "reference":
         return dualkv_attention_reference(q, k, v, layout, softmax_scale, window_size, softcap)
     from .ops.dualkv_attn import dualkv_attn_triton

@@ -579,7 +579,7 @@ class KernelTables:
     """Everything the kernels read from a layout, for one head dim on one device."""
 
     fwd_tiles: torch.Tensor  # query tiles of the forward
-    dq_tiles: torch.Tensor  # query tiles of the dQ pass
+    dq_tiles: torch.Tensor  # query tiles of the dQ pass (unused when the dK/dV pass accumulates dQ)
     kv_items: torch.Tensor  # (key tile, query chunk) work of the dK/dV pass
     kv_reduce: torch.Tensor  # split key tiles to reduce
     num_slots: int  # partial-buffer slots used by kv_items
@@ -592,8 +592,9 @@ def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, determ
     fwd = kernel_config("fwd", head_dim, layout.device)
     dq, dkdv = backward_plan(head_dim, layout.device, deterministic)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
-    dq_tiles = query_tiles(layout, dq.block_m) if dq else _int32(np.zeros((0, 5)), layout.device)  # no dQ pass
-    return KernelTables(query_tiles(layout, fwd.block_m), dq_tiles, items, reduce, slots, layout.position_ids)
+    fwd_tiles = query_tiles(layout, fwd.block_m)
+    dq_tiles = query_tiles(layout, dq.block_m) if dq else fwd_tiles  # no dQ pass: a placeholder, not read
+    return KernelTables(fwd_tiles, dq_tiles, items, reduce, slots, layout.position_ids)
 
 
 def _window(window_size: Optional[int]) -> int:
