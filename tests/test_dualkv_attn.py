@@ -5,7 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
-from megatron_dualkv.ops.dualkv_attn import kernel_config, key_items, kernel_tables
+from megatron_dualkv.ops import dualkv_attn as kernels
+from megatron_dualkv.ops.dualkv_attn import KernelConfig, kernel_config, key_items, kernel_tables
 from strategies import rollout_groups
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests; GPU has its own module")
@@ -63,6 +64,29 @@ def test_many_groups_with_p1_and_r1_and_split_key_tiles():
     for deterministic in (False, True):
         got, want = run_both(layout, 2, 1, 16, window=9, softcap=5.0, deterministic=deterministic)
         assert_matches(got, want)
+
+
+@pytest.mark.parametrize("d", [32, 48])
+def test_tma_loads(d, monkeypatch):
+    """The TMA path, emulated by the interpreter (48: not a power of two, so pointer loads remain)."""
+    monkeypatch.setattr(kernels, "INTERPRETER_CONFIG", KernelConfig(16, 16, 1, 1, tma=True))
+    layout = DualKVLayout((1, 33, 2), ((1,), (1, 40, 2), (3, 3, 3, 3)), pad_len=7)
+    for deterministic, window, softcap in ((False, None, None), (True, 9, 5.0)):
+        got, want = run_both(layout, 4, 2, d, window=window, softcap=softcap, deterministic=deterministic)
+        assert_matches(got, want)
+
+
+def test_tma_loads_fall_back_on_unaligned_strides(monkeypatch):
+    """A TMA box needs 16-byte aligned strides: a (T, H, 16) view of (T, H, 17) floats keeps pointer loads."""
+    cfg = KernelConfig(16, 16, 1, 1, tma=True)
+    monkeypatch.setattr(kernels, "INTERPRETER_CONFIG", cfg)
+    layout = DualKVLayout((20,), ((7, 18),))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(layout.total_tokens, h, 17, generator=g)[:, :, :16] for h in (4, 2, 2))
+    assert kernels._tma_loads(cfg, 16, q.contiguous()) and not kernels._tma_loads(cfg, 16, k)
+    got = dualkv_attn_func(q, k, v, layout, backend="triton")
+    want = dualkv_attn_func(q.double(), k.double(), v.double(), layout, backend="reference")
+    assert (got.double() - want).abs().max().item() < 2e-5
 
 
 def test_gradients_are_bitwise_reproducible():

@@ -49,6 +49,7 @@ WORKLOADS = [
 ]
 # smaller shapes with the same per-block behaviour, so a config sweep fits a lease
 TUNING_WORKLOADS = [
+    Workload("tune-d64-16x8192x1024", 16, 8192, 1024, 32, 8, 64),
     Workload("tune-d256-4x8192x1024", 4, 8192, 1024, 16, 8, 256),
     Workload("tune-d512-4x4096x1024", 4, 4096, 1024, 32, 16, 512),
 ]
@@ -149,12 +150,26 @@ def candidates(pass_name: str, d: int):
             for (bm, bn), warps, stages in itertools.product(blocks, (4, 8), (2, 3) if d <= 256 else (1, 2))]
 
 
+def parse_config(text: str):
+    """'64,128,8,3' or '64,128,8,3,1' (TMA loads on) -> KernelConfig."""
+    fields = [int(x) for x in text.split(",")]
+    return kernels.KernelConfig(*fields[:4], *(bool(x) for x in fields[4:5]))
+
+
 def tune(w: Workload, passes, configs=None):
-    """Time each candidate config of each pass on one workload (the other passes at their defaults)."""
+    """Time each candidate config of each pass on one workload (the other passes at their defaults),
+    and check that its output and gradients agree with the default configs' (a block-shape bug would
+    otherwise look like a speedup)."""
     layout = w.layout()
     q, k, v = inputs(w)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
+
+    def results():
+        o = dualkv_attn_func(*x, layout, backend="triton")
+        return o, (o, *torch.autograd.grad(o, x, dout, retain_graph=True))
+
+    expected = results()[1]
     defaults = dict(kernels.GPU_CONFIGS)
     for pass_name in passes:
         timings = []
@@ -164,18 +179,22 @@ def tune(w: Workload, passes, configs=None):
             if pass_name != "fused":
                 kernels.GPU_CONFIGS[pass_name] = ((1 << 20, cfg),)
             try:
+                o, got = results()
                 if pass_name == "fwd":
                     ms = bench(lambda: dualkv_attn_func(*x, layout, backend="triton"))
                 else:
-                    o = dualkv_attn_func(*x, layout, backend="triton")
                     ms = bench(lambda: torch.autograd.grad(o, x, dout, retain_graph=True))
             except Exception as e:  # noqa: BLE001 - out of shared memory and the like: skip the config
                 print(f"{w.name} {pass_name} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             finally:
                 kernels.GPU_CONFIGS.update(defaults)
-            timings.append((ms, cfg))
-            print(f"{w.name} {pass_name} {cfg}: {ms:.2f} ms", flush=True)
+            diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, expected))
+            agrees = diff < 2e-2
+            if agrees:
+                timings.append((ms, cfg))
+            print(f"{w.name} {pass_name} {cfg}: {ms:.2f} ms, max relative difference to the defaults {diff:.1e}"
+                  f"{'' if agrees else ' DIFFERS: not a candidate'}", flush=True)
         if timings:
             ms, cfg = min(timings, key=lambda t: t[0])
             print(f"BEST {w.name} {pass_name}: {cfg} {ms:.2f} ms ({'fwd' if pass_name == 'fwd' else 'bwd'} time)")
@@ -210,11 +229,11 @@ def main():
     parser.add_argument("--out", default="bench")
     parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv,fused) whose configs to sweep instead")
     parser.add_argument("--configs", default="", help="with --tune: these configs instead of the built-in candidates, "
-                        "'block_m,block_n,warps,stages' separated by ';'")
+                        "'block_m,block_n,warps,stages[,tma]' separated by ';'")
     args = parser.parse_args()
     workloads = [w for w in WORKLOADS + TUNING_WORKLOADS if w.name in args.workloads.split(",")]
     if args.tune:
-        configs = [kernels.KernelConfig(*map(int, c.split(","))) for c in args.configs.split(";") if c]
+        configs = [parse_config(c) for c in args.configs.split(";") if c]
         for w in workloads:
             tune(w, args.tune.split(","), configs)
         return

@@ -15,10 +15,12 @@ One launch per micro-batch covers every group. Work is described by host-built t
   writing an fp32 partial, reduced afterwards in a fixed order, so the grid stays full and dK/dV
   are bitwise reproducible. GQA is reduced inside the program (loop over the query heads of the
   key/value head): no expanded K/V, no expanded dK/dV.
-* dQ: unless ``deterministic``, and where it measured faster (head dims 65-128 and 512), added by
-  the dK/dV pass to an fp32 buffer (5 matmuls per block pair): one TMA bulk reduction per block
-  on Hopper, scalar atomics elsewhere. Otherwise its own pass per (query tile, query head),
-  recomputing the scores (7 matmuls per block pair in the backward instead of 5).
+* dQ: its own pass per (query tile, query head), recomputing the scores (7 matmuls per block pair
+  in the backward), or, unless ``deterministic`` and where it measured faster (head dim 512 on
+  the H200), added by the dK/dV pass to an fp32 buffer (5 matmuls per block pair): one TMA bulk
+  reduction per block on Hopper, scalar atomics elsewhere.
+* On Hopper the unmasked middle of every key or query range is streamed as TMA boxes (per-pass
+  ``KernelConfig.tma``, where it measured faster); masked edges keep pointer loads.
 
 Math (per query row i, key j, log2 domain; c = softcap, s = softmax scale):
     x_ij  = s * q_i . k_j
@@ -72,6 +74,22 @@ def _load_tile(ptrs, row_ok, d_mask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constex
 
 
 @triton.jit
+def _load_rows(base, stride_t, desc, row0, head, start, offs, hi, offs_d, d_mask, MASKED: tl.constexpr,
+               EVEN_D: tl.constexpr, TMA: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [start, start + BLOCK) of one head, counted from row0 (``base`` points at row0 of the head).
+
+    With TMA, blocks that need no row mask are one bulk copy of a (BLOCK, 1, BLOCK_D) box of the
+    (T, H, D) tensor descriptor: no per-element address registers, and Triton pipelines the copies
+    through mbarriers. Masked edge blocks keep pointer loads, so no key or query outside the range
+    is ever read into a tile.
+    """
+    if TMA and not MASKED:
+        return desc.load([row0 + start, head, 0]).reshape(BLOCK, BLOCK_D)
+    j = start + offs
+    return _load_tile(base + j.to(tl.int64)[:, None] * stride_t + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
+
+
+@triton.jit
 def _split_range(lo, hi, vis_lo, vis_hi, BLOCK: tl.constexpr):
     """Cut [lo, hi) into [lo, m1) masked, [m1, m2) unmasked, [m2, hi) masked.
 
@@ -110,18 +128,19 @@ def _visible(qc, j, hi, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, qc, window, qk_scale, softcap,
-               offs_n, offs_d, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr):
+def _fwd_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, lo, hi, qc,
+               window, qk_scale, softcap, offs_n, offs_d, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
     """Online-softmax accumulation over keys [lo, hi) of one key range (flash-attention 2)."""
     for start in range(lo, hi, BLOCK_N):
-        j = start + offs_n
-        rows = j.to(tl.int64)
-        k = _load_tile(k_base + rows[:, None] * stride_kt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
-        v = _load_tile(v_base + rows[:, None] * stride_vt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
+        k = _load_rows(k_base, stride_kt, k_desc, row0, hk, start, offs_n, hi, offs_d, d_mask, MASKED, EVEN_D,
+                       TMA_LOADS, BLOCK_N, BLOCK_D)
+        v = _load_rows(v_base, stride_vt, v_desc, row0, hk, start, offs_n, hi, offs_d, d_mask, MASKED, EVEN_D,
+                       TMA_LOADS, BLOCK_N, BLOCK_D)
         z, _ = _scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
         if MASKED:
-            z = tl.where(_visible(qc, j, hi, window, CAUSAL, HAS_WINDOW), z, float("-inf"))
+            z = tl.where(_visible(qc, start + offs_n, hi, window, CAUSAL, HAS_WINDOW), z, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, 1))
         # a row that has seen no visible key yet keeps m = -inf: subtract 0 so p = 0, not NaN
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -134,10 +153,32 @@ def _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, q
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_ot, stride_oh, T, qk_scale, softcap, window, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _fwd_keys(acc, l_i, m_i, q, K, V, k_desc, v_desc, row0, hk, stride_kt, stride_kh, stride_vt, stride_vh, lo, hi,
+              vis_lo, vis_hi, qc, window, qk_scale, softcap, offs_n, offs_d, d_mask, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """Keys [lo, hi) of the range starting at packed row ``row0``: masked edge, unmasked middle, masked edge."""
+    m1, m2 = _split_range(lo, hi, vis_lo, vis_hi, BLOCK_N)
+    k_base = K + row0.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + row0.to(tl.int64) * stride_vt + hk * stride_vh
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, lo,
+                               m1, qc, window, qk_scale, softcap, offs_n, offs_d, d_mask, True, CAUSAL, HAS_WINDOW,
+                               HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, m1,
+                               m2, qc, window, qk_scale, softcap, offs_n, offs_d, d_mask, False, CAUSAL, HAS_WINDOW,
+                               HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, m2,
+                               hi, qc, window, qk_scale, softcap, offs_n, offs_d, d_mask, True, CAUSAL, HAS_WINDOW,
+                               HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                stride_vh, stride_ot, stride_oh, T, qk_scale, softcap, window, NUM_HEADS: tl.constexpr,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                TMA_LOADS: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % NUM_HEADS  # heads vary fastest: the heaviest tiles of every head start first
     tile = pid // NUM_HEADS
@@ -166,33 +207,16 @@ def _fwd_kernel(Q, K, V, O, LSE, TILES, stride_qt, stride_qh, stride_kt, stride_
     i1 = q_end - 1 - seg_start  # last row's
     # A: the group's prompt, keys at logical positions 0..prefix_len-1, no causal mask needed
     if prefix_len > 0:
-        lo = tl.maximum(prefix_len + i0 - window + 1, 0)
-        m1, m2 = _split_range(lo, prefix_len, prefix_len + i1 - window + 1, prefix_len, BLOCK_N)
-        k_base = K + prefix_start.to(tl.int64) * stride_kt + hk * stride_kh
-        v_base = V + prefix_start.to(tl.int64) * stride_vt + hk * stride_vh
-        qc = prefix_len + i0 + offs_m
-        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window,
-                                   qk_scale, softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP,
-                                   BLOCK_N, EVEN_D)
-        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window,
-                                   qk_scale, softcap, offs_n, offs_d, d_mask, False, False, HAS_WINDOW, HAS_SOFTCAP,
-                                   BLOCK_N, EVEN_D)
-        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m2, prefix_len, qc, window,
-                                   qk_scale, softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP,
-                                   BLOCK_N, EVEN_D)
+        acc, l_i, m_i = _fwd_keys(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, prefix_start, hk, stride_kt, stride_kh,
+                                  stride_vt, stride_vh, tl.maximum(prefix_len + i0 - window + 1, 0), prefix_len,
+                                  prefix_len + i1 - window + 1, prefix_len, prefix_len + i0 + offs_m, window,
+                                  qk_scale, softcap, offs_n, offs_d, d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
+                                  BLOCK_D, EVEN_D, TMA_LOADS)
     # B: the tile's own segment, causal
-    lo = tl.maximum(i0 - window + 1, 0)
-    m1, m2 = _split_range(lo, i1 + 1, i1 - window + 1, i0 + 1, BLOCK_N)
-    k_base = K + seg_start.to(tl.int64) * stride_kt + hk * stride_kh
-    v_base = V + seg_start.to(tl.int64) * stride_vt + hk * stride_vh
-    qc = i0 + offs_m
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window, qk_scale,
-                               softcap, offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window, qk_scale,
-                               softcap, offs_n, offs_d, d_mask, False, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, m2, i1 + 1, qc, window,
-                               qk_scale, softcap, offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
-                               EVEN_D)
+    acc, l_i, m_i = _fwd_keys(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, seg_start, hk, stride_kt, stride_kh, stride_vt,
+                              stride_vh, tl.maximum(i0 - window + 1, 0), i1 + 1, i1 - window + 1, i0 + 1,
+                              i0 + offs_m, window, qk_scale, softcap, offs_n, offs_d, d_mask, True, HAS_WINDOW,
+                              HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
 
     # every valid row sees at least its own key, so l_i > 0 there
     l_safe = tl.where(row_mask, l_i, 1.0)
@@ -217,19 +241,20 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh
 
 
 @triton.jit
-def _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, qc, window, qk_scale, softcap,
-              offs_n, offs_d, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr):
+def _dq_range(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, lo, hi, qc,
+              window, qk_scale, softcap, offs_n, offs_d, d_mask, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
     """dq += sum_j dx_ij k_j over keys [lo, hi) of one key range (scale applied by the caller)."""
     for start in range(lo, hi, BLOCK_N):
-        j = start + offs_n
-        rows = j.to(tl.int64)
-        k = _load_tile(k_base + rows[:, None] * stride_kt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
-        v = _load_tile(v_base + rows[:, None] * stride_vt + offs_d[None, :], j < hi, d_mask, MASKED, EVEN_D)
+        k = _load_rows(k_base, stride_kt, k_desc, row0, hk, start, offs_n, hi, offs_d, d_mask, MASKED, EVEN_D,
+                       TMA_LOADS, BLOCK_N, BLOCK_D)
+        v = _load_rows(v_base, stride_vt, v_desc, row0, hk, start, offs_n, hi, offs_d, d_mask, MASKED, EVEN_D,
+                       TMA_LOADS, BLOCK_N, BLOCK_D)
         z, t = _scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
         p = tl.math.exp2(z - lse[:, None])
         if MASKED:
-            p = tl.where(_visible(qc, j, hi, window, CAUSAL, HAS_WINDOW), p, 0.0)
+            p = tl.where(_visible(qc, start + offs_n, hi, window, CAUSAL, HAS_WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         dx = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -239,10 +264,32 @@ def _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, h
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                   stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale, qk_scale, softcap, window,
-                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _dq_keys(dq, q, do, lse, delta, K, V, k_desc, v_desc, row0, hk, stride_kt, stride_kh, stride_vt, stride_vh, lo,
+             hi, vis_lo, vis_hi, qc, window, qk_scale, softcap, offs_n, offs_d, d_mask, CAUSAL: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """Keys [lo, hi) of the range starting at packed row ``row0``: masked edge, unmasked middle, masked edge."""
+    m1, m2 = _split_range(lo, hi, vis_lo, vis_hi, BLOCK_N)
+    k_base = K + row0.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + row0.to(tl.int64) * stride_vt + hk * stride_vh
+    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, lo, m1, qc,
+                   window, qk_scale, softcap, offs_n, offs_d, d_mask, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
+                   BLOCK_D, EVEN_D, TMA_LOADS)
+    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, m1, m2, qc,
+                   window, qk_scale, softcap, offs_n, offs_d, d_mask, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
+                   BLOCK_D, EVEN_D, TMA_LOADS)
+    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, row0, hk, stride_kt, stride_vt, m2, hi, qc,
+                   window, qk_scale, softcap, offs_n, offs_d, d_mask, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
+                   BLOCK_D, EVEN_D, TMA_LOADS)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, TILES, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale, qk_scale, softcap,
+                   window, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, TMA_LOADS: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % NUM_HEADS
     tile = pid // NUM_HEADS
@@ -270,28 +317,14 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, TILES, stride_qt, stride_qh, str
     i0 = q_start - seg_start
     i1 = q_end - 1 - seg_start
     if prefix_len > 0:
-        lo = tl.maximum(prefix_len + i0 - window + 1, 0)
-        m1, m2 = _split_range(lo, prefix_len, prefix_len + i1 - window + 1, prefix_len, BLOCK_N)
-        k_base = K + prefix_start.to(tl.int64) * stride_kt + hk * stride_kh
-        v_base = V + prefix_start.to(tl.int64) * stride_vt + hk * stride_vh
-        qc = prefix_len + i0 + offs_m
-        dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window, qk_scale,
-                       softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
-        dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window, qk_scale,
-                       softcap, offs_n, offs_d, d_mask, False, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
-        dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m2, prefix_len, qc, window,
-                       qk_scale, softcap, offs_n, offs_d, d_mask, True, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
-    lo = tl.maximum(i0 - window + 1, 0)
-    m1, m2 = _split_range(lo, i1 + 1, i1 - window + 1, i0 + 1, BLOCK_N)
-    k_base = K + seg_start.to(tl.int64) * stride_kt + hk * stride_kh
-    v_base = V + seg_start.to(tl.int64) * stride_vt + hk * stride_vh
-    qc = i0 + offs_m
-    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo, m1, qc, window, qk_scale, softcap,
-                   offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
-    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m1, m2, qc, window, qk_scale, softcap,
-                   offs_n, offs_d, d_mask, False, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
-    dq = _dq_range(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, m2, i1 + 1, qc, window, qk_scale,
-                   softcap, offs_n, offs_d, d_mask, True, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, EVEN_D)
+        dq = _dq_keys(dq, q, do, lse, delta, K, V, K_DESC, V_DESC, prefix_start, hk, stride_kt, stride_kh, stride_vt,
+                      stride_vh, tl.maximum(prefix_len + i0 - window + 1, 0), prefix_len, prefix_len + i1 - window + 1,
+                      prefix_len, prefix_len + i0 + offs_m, window, qk_scale, softcap, offs_n, offs_d, d_mask, False,
+                      HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+    dq = _dq_keys(dq, q, do, lse, delta, K, V, K_DESC, V_DESC, seg_start, hk, stride_kt, stride_kh, stride_vt,
+                  stride_vh, tl.maximum(i0 - window + 1, 0), i1 + 1, i1 - window + 1, i0 + 1, i0 + offs_m, window,
+                  qk_scale, softcap, offs_n, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
+                  TMA_LOADS)
     tl.store(DQ + q_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=qd_mask)
 
@@ -307,11 +340,11 @@ def _atomic_add_dq(dq_ptrs, dq, row_ok, d_mask, MASKED: tl.constexpr, EVEN_D: tl
 
 
 @triton.jit
-def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_head_off, do_head_off,
-                lse_head_off, dq_head_off, POS, stride_qt, stride_dot, stride_dqt, lo, hi, k_start, window, qk_scale,
-                softcap, offs_m, offs_d, d_mask, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, LSE, DELTA, DQ_ACC, h, q_head_off,
+                do_head_off, lse_head_off, dq_head_off, POS, stride_qt, stride_dot, stride_dqt, lo, hi, k_start, window,
+                qk_scale, softcap, offs_m, offs_d, d_mask, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr):
+                FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr, TMA_LOADS: tl.constexpr):
     """dk, dv (N, D) += contributions of queries [lo, hi) of one query head.
 
     Queries of the range belong to the key tile's group; without a window a query sees a key iff
@@ -331,9 +364,10 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_AC
             pos_q = tl.load(POS + rows, mask=i < hi, other=2**30).to(tl.int32)
             run = tl.min(pos_q, 0) - max_pos_k < window
         if run:
-            q = _load_tile(Q + q_head_off + rows[:, None] * stride_qt + offs_d[None, :], i < hi, d_mask, MASKED, EVEN_D)
-            do = _load_tile(DO + do_head_off + rows[:, None] * stride_dot + offs_d[None, :], i < hi, d_mask, MASKED,
-                            EVEN_D)
+            q = _load_rows(Q + q_head_off, stride_qt, q_desc, 0, h, start, offs_m, hi, offs_d, d_mask, MASKED, EVEN_D,
+                           TMA_LOADS, BLOCK_M, BLOCK_D)
+            do = _load_rows(DO + do_head_off, stride_dot, do_desc, 0, h, start, offs_m, hi, offs_d, d_mask, MASKED,
+                            EVEN_D, TMA_LOADS, BLOCK_M, BLOCK_D)
             lse = tl.load(LSE + lse_head_off + rows, mask=i < hi, other=0.0)
             delta = tl.load(DELTA + lse_head_off + rows, mask=i < hi, other=0.0)
             z, t = _scores(k, q, qk_scale, softcap, HAS_SOFTCAP)  # (N, M): keys x queries
@@ -361,12 +395,13 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_AC
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, POS, ITEMS, PARTIAL_DK, PARTIAL_DV, stride_qt, stride_qh,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh,
-                     stride_dvt, stride_dvh, T, sm_scale, qk_scale, softcap, window, NUM_KV_HEADS: tl.constexpr,
-                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                     FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr):
+def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, POS, ITEMS, PARTIAL_DK, PARTIAL_DV,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, sm_scale, qk_scale, softcap, window,
+                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr,
+                     TMA_LOADS: tl.constexpr):
     pid = tl.program_id(0)
     hk = pid % NUM_KV_HEADS
     item = pid // NUM_KV_HEADS
@@ -401,18 +436,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, POS, ITEMS, PARTIA
     for g in range(GROUP):
         h = hk * GROUP + g
         q_off, do_off, lse_off, dq_off = h * stride_qh, h * stride_doh, h.to(tl.int64) * T, h * HEAD_DIM
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_off, do_off,
-                             lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, q_lo, m1, k_start, window, qk_scale,
-                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, BLOCK_D, EVEN_D, FUSE_DQ,
-                             TMA_DQ)
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_off, do_off,
-                             lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, m1, m2, k_start, window, qk_scale,
-                             softcap, offs_m, offs_d, d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, BLOCK_D, EVEN_D, FUSE_DQ,
-                             TMA_DQ)
-        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, LSE, DELTA, DQ_ACC, h, q_off, do_off,
-                             lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, m2, q_hi, k_start, window, qk_scale,
-                             softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M, BLOCK_D, EVEN_D, FUSE_DQ,
-                             TMA_DQ)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, Q_DESC, DO_DESC, LSE, DELTA, DQ_ACC, h,
+                             q_off, do_off, lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, q_lo, m1, k_start,
+                             window, qk_scale, softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M,
+                             BLOCK_D, EVEN_D, FUSE_DQ, TMA_DQ, TMA_LOADS)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, Q_DESC, DO_DESC, LSE, DELTA, DQ_ACC, h,
+                             q_off, do_off, lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, m1, m2, k_start,
+                             window, qk_scale, softcap, offs_m, offs_d, d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M,
+                             BLOCK_D, EVEN_D, FUSE_DQ, TMA_DQ, TMA_LOADS)
+        dk, dv = _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, Q_DESC, DO_DESC, LSE, DELTA, DQ_ACC, h,
+                             q_off, do_off, lse_off, dq_off, POS, stride_qt, stride_dot, stride_dqt, m2, q_hi, k_start,
+                             window, qk_scale, softcap, offs_m, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_M,
+                             BLOCK_D, EVEN_D, FUSE_DQ, TMA_DQ, TMA_LOADS)
     dk = dk * sm_scale
     if slot < 0:
         tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -465,21 +500,23 @@ class KernelConfig:
     block_n: int  # key rows per block
     num_warps: int
     num_stages: int
+    tma: bool = False  # stream tiles through TMA boxes where the device and head dim allow
 
 
 # pass -> ((max head dim, config), ...): the first entry whose head dim fits. The dK/dV pass keeps a
 # key tile resident and streams small query blocks; the forward and dQ passes the reverse.
 # "dkdv_dq" is the dK/dV pass that also accumulates dQ in fp32 (TMA bulk reductions on Hopper up to
 # head dim 256, scalar atomics beyond), used unless ``deterministic``; None where the separate dQ
-# pass measured faster on the H200 (64: not measured; 256: 45.0 ms vs 43.8 ms backward).
+# pass measured faster on the H200 (all head dims up to 256 once the passes stream TMA boxes:
+# 20.2 vs 21.3 ms backward at D=128, PERF_NOTES.md session 3).
 GPU_CONFIGS = {
-    "fwd": ((64, KernelConfig(128, 64, 4, 3)), (128, KernelConfig(128, 128, 8, 3)),
-            (256, KernelConfig(64, 32, 4, 2)), (512, KernelConfig(64, 64, 8, 1))),
-    "dq": ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 64, 8, 3)),
-           (256, KernelConfig(64, 64, 4, 2)), (512, KernelConfig(64, 32, 4, 1))),
-    "dkdv": ((64, KernelConfig(64, 64, 4, 2)), (128, KernelConfig(64, 64, 4, 2)),
+    "fwd": ((64, KernelConfig(128, 64, 4, 3, tma=True)), (128, KernelConfig(128, 128, 8, 3, tma=True)),
+            (256, KernelConfig(128, 64, 8, 2, tma=True)), (512, KernelConfig(64, 64, 8, 1))),
+    "dq": ((64, KernelConfig(64, 64, 4, 2, tma=True)), (128, KernelConfig(128, 64, 8, 3, tma=True)),
+           (256, KernelConfig(64, 64, 4, 2, tma=True)), (512, KernelConfig(64, 32, 4, 1))),
+    "dkdv": ((64, KernelConfig(64, 64, 4, 2, tma=True)), (128, KernelConfig(64, 64, 4, 2, tma=True)),
              (256, KernelConfig(32, 64, 8, 3)), (512, KernelConfig(32, 32, 8, 2))),
-    "dkdv_dq": ((64, None), (128, KernelConfig(64, 128, 8, 3)), (256, None), (512, KernelConfig(32, 32, 8, 2))),
+    "dkdv_dq": ((256, None), (512, KernelConfig(32, 32, 8, 2))),
 }
 # the interpreter runs blocks as numpy arrays: small blocks keep CPU tests fast and multi-block;
 # dQ fused there unless deterministic, so that tests cover both backward plans
@@ -501,8 +538,26 @@ def backward_plan(head_dim: int, device: torch.device, deterministic: bool):
 
 
 def _has_tma(device: torch.device) -> bool:
-    """Bulk tensor copies and reductions (TMA): Hopper and later; the interpreter has none."""
+    """Bulk tensor copies and reductions (TMA): Hopper and later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _tma_loads(cfg: KernelConfig, head_dim: int, *tensors: torch.Tensor) -> bool:
+    """Streamed tiles as TMA boxes: where the config asks, on Hopper or the interpreter (which
+    emulates TMA loads, so CPU tests cover the path), for power-of-two head dims within one box, on
+    tensors whose base and strides are 16-byte aligned (a TMA requirement)."""
+    device = tensors[0].device
+    if not cfg.tma or head_dim != triton.next_power_of_2(head_dim) or head_dim > TMA_MAX_BOX:
+        return False
+    if device.type == "cuda" and not _has_tma(device):
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               for t in tensors)
+
+
+def _row_boxes(x: torch.Tensor, rows: int, use: bool):
+    """A (T, H, D) tensor's descriptor for (rows, 1, D) boxes, or the tensor itself (the kernel then never uses it)."""
+    return TensorDescriptor.from_tensor(x, [rows, 1, triton.next_power_of_2(x.shape[2])]) if use else x
 
 
 def _sm_count(device: torch.device) -> int:
@@ -610,11 +665,12 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
     cfg = kernel_config("fwd", D, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+    tma = _tma_loads(cfg, D, k, v)
     _fwd_kernel[(tiles.shape[0] * Hq,)](
-        q, k, v, out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v, _row_boxes(k, cfg.block_n, tma), _row_boxes(v, cfg.block_n, tma), out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size),
         NUM_HEADS=Hq, GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None,
+        BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, TMA_LOADS=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -637,25 +693,29 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     if not atomic_dq:
         dq = torch.empty_like(q)
         dq_acc = dq  # unused by the dK/dV pass
+        tma = _tma_loads(dq_cfg, D, k, v)
         _bwd_dq_kernel[(dq_tiles.shape[0] * Hq,)](
-            q, k, v, do, dq, lse, delta, dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            q, k, v, _row_boxes(k, dq_cfg.block_n, tma), _row_boxes(v, dq_cfg.block_n, tma), do, dq, lse, delta,
+            dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars, NUM_HEADS=Hq,
-            GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, num_warps=dq_cfg.num_warps,
-            num_stages=dq_cfg.num_stages, **common,
+            GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, TMA_LOADS=tma,
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **common,
         )
     else:
         dq_acc = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
     tma_dq = atomic_dq and _has_tma(q.device) and BLOCK_D <= TMA_MAX_BOX
     dq_target = TensorDescriptor.from_tensor(dq_acc, [kv_cfg.block_m, 1, BLOCK_D]) if tma_dq else dq_acc
+    tma = _tma_loads(kv_cfg, D, q, do)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
     _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
-        q, k, v, do, dk, dv, dq_target, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
+        q, k, v, do, _row_boxes(q, kv_cfg.block_m, tma), _row_boxes(do, kv_cfg.block_m, tma), dk, dv, dq_target, lse,
+        delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0),
         dk.stride(1), dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv,
-        BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=atomic_dq, TMA_DQ=tma_dq, num_warps=kv_cfg.num_warps,
-        num_stages=kv_cfg.num_stages, **common,
+        BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=atomic_dq, TMA_DQ=tma_dq, TMA_LOADS=tma,
+        num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common,
     )
     if kv_reduce.shape[0]:
         _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv,)](
