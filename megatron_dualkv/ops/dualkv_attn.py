@@ -174,19 +174,27 @@ def _fwd_keys(acc, l_i, m_i, q, K, V, k_desc, v_desc, row0, hk, stride_kt, strid
 
 
 @triton.jit
+def _program_row(TABLE, NUM_HEADS: tl.constexpr, WIDTH: tl.constexpr):
+    """(head, pointer to the table row) of this program: one program per (row, head), heads varying
+    fastest so that the heaviest rows (tables are sorted heaviest first) of every head start first."""
+    pid = tl.program_id(0)
+    return pid % NUM_HEADS, TABLE + (pid // NUM_HEADS) * WIDTH
+
+
+@triton.jit
+def _query_tile(TILES, NUM_HEADS: tl.constexpr):
+    """This program's query head and its row ``(q_start, q_end, seg_start, prefix_start, prefix_len)``."""
+    h, row = _program_row(TILES, NUM_HEADS, 5)
+    return h, tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_ot, stride_oh, T, qk_scale, softcap, window, NUM_HEADS: tl.constexpr,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 TMA_LOADS: tl.constexpr):
-    pid = tl.program_id(0)
-    h = pid % NUM_HEADS  # heads vary fastest: the heaviest tiles of every head start first
-    tile = pid // NUM_HEADS
-    q_start = tl.load(TILES + tile * 5 + 0)
-    q_end = tl.load(TILES + tile * 5 + 1)
-    seg_start = tl.load(TILES + tile * 5 + 2)
-    prefix_start = tl.load(TILES + tile * 5 + 3)
-    prefix_len = tl.load(TILES + tile * 5 + 4)
+    h, q_start, q_end, seg_start, prefix_start, prefix_len = _query_tile(TILES, NUM_HEADS)
     hk = h // GROUP
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -290,14 +298,7 @@ def _bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, TILES, stride_qt
                    window, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, TMA_LOADS: tl.constexpr):
-    pid = tl.program_id(0)
-    h = pid % NUM_HEADS
-    tile = pid // NUM_HEADS
-    q_start = tl.load(TILES + tile * 5 + 0)
-    q_end = tl.load(TILES + tile * 5 + 1)
-    seg_start = tl.load(TILES + tile * 5 + 2)
-    prefix_start = tl.load(TILES + tile * 5 + 3)
-    prefix_len = tl.load(TILES + tile * 5 + 4)
+    h, q_start, q_end, seg_start, prefix_start, prefix_len = _query_tile(TILES, NUM_HEADS)
     hk = h // GROUP
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -395,6 +396,20 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, 
 
 
 @triton.jit
+def _partial_offsets(slot, hk, offs_n, offs_d, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """Offsets of one key tile's rows [slot * BLOCK_N, +BLOCK_N) in a (slots * BLOCK_N, Hkv, BLOCK_D) fp32 partial buffer."""
+    rows = (slot * BLOCK_N + offs_n).to(tl.int64)
+    return (rows[:, None] * NUM_KV_HEADS + hk) * BLOCK_D + offs_d[None, :]
+
+
+@triton.jit
+def _store_dkdv(DK, DV, dk, dv, k_rows, hk, stride_dkt, stride_dkh, stride_dvt, stride_dvh, offs_d, mask):
+    tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, POS, ITEMS, PARTIAL_DK, PARTIAL_DV,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                      stride_dkt, stride_dkh, stride_dvt, stride_dvh, T, sm_scale, qk_scale, softcap, window,
@@ -402,14 +417,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, P
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr,
                      TMA_LOADS: tl.constexpr):
-    pid = tl.program_id(0)
-    hk = pid % NUM_KV_HEADS
-    item = pid // NUM_KV_HEADS
-    k_start = tl.load(ITEMS + item * 5 + 0)
-    k_end = tl.load(ITEMS + item * 5 + 1)
-    q_lo = tl.load(ITEMS + item * 5 + 2)
-    q_hi = tl.load(ITEMS + item * 5 + 3)
-    slot = tl.load(ITEMS + item * 5 + 4)
+    hk, row = _program_row(ITEMS, NUM_KV_HEADS, 5)
+    k_start, k_end, q_lo, q_hi, slot = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -450,14 +459,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, P
                              BLOCK_D, EVEN_D, FUSE_DQ, TMA_DQ, TMA_LOADS)
     dk = dk * sm_scale
     if slot < 0:
-        tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=kd_mask)
-        tl.store(DV + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                 mask=kd_mask)
+        _store_dkdv(DK, DV, dk, dv, k_rows, hk, stride_dkt, stride_dkh, stride_dvt, stride_dvh, offs_d, kd_mask)
     else:
-        # partial of one query chunk: fp32 rows [slot * BLOCK_N, +BLOCK_N) of a (slots * BLOCK_N, Hkv, BLOCK_D) buffer
-        p_rows = (slot * BLOCK_N + offs_n).to(tl.int64)
-        p_off = (p_rows[:, None] * NUM_KV_HEADS + hk) * BLOCK_D + offs_d[None, :]
+        # the partial of one query chunk, summed later in chunk order
+        p_off = _partial_offsets(slot, hk, offs_n, offs_d, NUM_KV_HEADS, BLOCK_N, BLOCK_D)
         tl.store(PARTIAL_DK + p_off, dk)
         tl.store(PARTIAL_DV + p_off, dv)
 
@@ -467,26 +472,19 @@ def _bwd_reduce_kernel(PARTIAL_DK, PARTIAL_DV, DK, DV, REDUCE, stride_dkt, strid
                        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     """Sum a key tile's chunk partials in chunk order (fixed order: bitwise reproducible)."""
-    pid = tl.program_id(0)
-    hk = pid % NUM_KV_HEADS
-    entry = pid // NUM_KV_HEADS
-    k_start = tl.load(REDUCE + entry * 4 + 0)
-    k_end = tl.load(REDUCE + entry * 4 + 1)
-    slot0 = tl.load(REDUCE + entry * 4 + 2)
-    n_slots = tl.load(REDUCE + entry * 4 + 3)
+    hk, row = _program_row(REDUCE, NUM_KV_HEADS, 4)
+    k_start, k_end, slot0, n_slots = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for s in range(slot0, slot0 + n_slots):
-        p_rows = (s * BLOCK_N + offs_n).to(tl.int64)
-        p_off = (p_rows[:, None] * NUM_KV_HEADS + hk) * BLOCK_D + offs_d[None, :]
+        p_off = _partial_offsets(s, hk, offs_n, offs_d, NUM_KV_HEADS, BLOCK_N, BLOCK_D)
         dk += tl.load(PARTIAL_DK + p_off)
         dv += tl.load(PARTIAL_DV + p_off)
-    k_rows = (k_start + offs_n).to(tl.int64)
     mask = (k_start + offs_n < k_end)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tl.store(DK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + k_rows[:, None] * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=mask)
+    _store_dkdv(DK, DV, dk, dv, (k_start + offs_n).to(tl.int64), hk, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                offs_d, mask)
 
 
 # ==================================================================================== configs
@@ -555,9 +553,13 @@ def _tma_loads(cfg: KernelConfig, head_dim: int, *tensors: torch.Tensor) -> bool
                for t in tensors)
 
 
-def _row_boxes(x: torch.Tensor, rows: int, use: bool):
-    """A (T, H, D) tensor's descriptor for (rows, 1, D) boxes, or the tensor itself (the kernel then never uses it)."""
-    return TensorDescriptor.from_tensor(x, [rows, 1, triton.next_power_of_2(x.shape[2])]) if use else x
+def _streamed(cfg: KernelConfig, rows: int, a: torch.Tensor, b: torch.Tensor):
+    """(TMA loads on, what the kernel streams a and b from): descriptors of (rows, 1, D) boxes of the
+    (T, H, D) tensors where ``_tma_loads`` allows, else the tensors themselves (then unused)."""
+    if not _tma_loads(cfg, a.shape[2], a, b):
+        return False, a, b
+    box = [rows, 1, a.shape[2]]
+    return True, TensorDescriptor.from_tensor(a, box), TensorDescriptor.from_tensor(b, box)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -665,10 +667,10 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
     cfg = kernel_config("fwd", D, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-    tma = _tma_loads(cfg, D, k, v)
+    tma, k_boxes, v_boxes = _streamed(cfg, cfg.block_n, k, v)
     _fwd_kernel[(tiles.shape[0] * Hq,)](
-        q, k, v, _row_boxes(k, cfg.block_n, tma), _row_boxes(v, cfg.block_n, tma), out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size),
+        q, k, v, k_boxes, v_boxes, out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size),
         NUM_HEADS=Hq, GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, TMA_LOADS=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -693,10 +695,9 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     if not atomic_dq:
         dq = torch.empty_like(q)
         dq_acc = dq  # unused by the dK/dV pass
-        tma = _tma_loads(dq_cfg, D, k, v)
+        tma, k_boxes, v_boxes = _streamed(dq_cfg, dq_cfg.block_n, k, v)
         _bwd_dq_kernel[(dq_tiles.shape[0] * Hq,)](
-            q, k, v, _row_boxes(k, dq_cfg.block_n, tma), _row_boxes(v, dq_cfg.block_n, tma), do, dq, lse, delta,
-            dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            q, k, v, k_boxes, v_boxes, do, dq, lse, delta, dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars, NUM_HEADS=Hq,
             GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, TMA_LOADS=tma,
             num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **common,
@@ -705,13 +706,12 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
         dq_acc = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
     tma_dq = atomic_dq and _has_tma(q.device) and BLOCK_D <= TMA_MAX_BOX
     dq_target = TensorDescriptor.from_tensor(dq_acc, [kv_cfg.block_m, 1, BLOCK_D]) if tma_dq else dq_acc
-    tma = _tma_loads(kv_cfg, D, q, do)
+    tma, q_boxes, do_boxes = _streamed(kv_cfg, kv_cfg.block_m, q, do)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
     _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
-        q, k, v, do, _row_boxes(q, kv_cfg.block_m, tma), _row_boxes(do, kv_cfg.block_m, tma), dk, dv, dq_target, lse,
-        delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
+        q, k, v, do, q_boxes, do_boxes, dk, dv, dq_target, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0),
         dk.stride(1), dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv,
         BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=atomic_dq, TMA_DQ=tma_dq, TMA_LOADS=tma,
