@@ -270,21 +270,21 @@ def policy_update_step(policy: Policy, groups: List[RolloutGroup], loss_fn, max_
     behaviour = forward_backward(policy.model, [RLMicroBatch(b) for b in batches], layout=layout)
     policy.model.zero_grad_buffer()
     policy.optimizer.zero_grad()
+    selected = [mb.select_responses(advantages) for mb in planned]  # each micro-batch's share
     outputs = forward_backward(
         policy.model,
-        [RLMicroBatch(b, old_logprobs=o.logprobs, advantages=mb.select_responses(advantages))
-         for b, o, mb in zip(batches, behaviour, planned)],
+        [RLMicroBatch(b, old_logprobs=o.logprobs, advantages=a) for b, o, a in zip(batches, behaviour, selected)],
         loss_fn,
         layout=layout,
     )
     policy.optimizer.step()
     seconds = _now() - start
-    real = [(mb, b, o, out) for mb, b, o, out in zip(planned, batches, behaviour, outputs) if not mb.is_padding]
+    real = [(a, b, o, out) for mb, a, b, o, out in zip(planned, selected, batches, behaviour, outputs) if not mb.is_padding]
     sums = torch.zeros(7, dtype=torch.float64)  # loss, logp+ sum/count, logp- sum/count, clipped, responses
-    for mb, _, old, out in real:
+    for selected_advantages, _, old, out in real:
         sums[0] += out.loss.item()
         response_logp = torch.stack([r.mean() for group in old.logprobs for r in group]).double().cpu()
-        response_advantage = mb.select_responses(advantages).double()
+        response_advantage = selected_advantages.double()
         positive = response_advantage > 0
         sums[1:5] += torch.stack([
             response_logp[positive].sum(), positive.sum(), response_logp[~positive].sum(), (~positive).sum()

@@ -113,11 +113,15 @@ class DualKVLayout:
     def attention_pairs(self, window_size: Optional[int] = None) -> int:
         """(query, key) pairs the mask allows. A query at logical position p sees exactly the
         positions max(0, p - window + 1)..p (prompt keys, then its own response's), so the count
-        is sum_t min(p_t + 1, window): the useful work FLOP counts are based on."""
-        visible = self.position_ids.cpu() + 1
-        if window_size is not None:
-            visible = visible.clamp(max=window_size)
-        return int(visible.sum())
+        is sum_t min(p_t + 1, window): the useful work FLOP counts are based on. Counted from the
+        segments (positions prefix_len .. prefix_len + length - 1), so never a device sync."""
+
+        def upto(n: int) -> int:  # sum of min(p + 1, window) over positions p < n
+            if window_size is None or n <= window_size:
+                return n * (n + 1) // 2
+            return window_size * (window_size + 1) // 2 + (n - window_size) * window_size
+
+        return sum(upto(prefix_len + length) - upto(prefix_len) for _, length, _, prefix_len in self.segments)
 
     @cached_property
     def segments(self) -> Tuple[Tuple[int, int, int, int], ...]:

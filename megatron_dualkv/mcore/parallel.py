@@ -172,6 +172,8 @@ def check_model_split(config, vocab_size: int, sizes: ParallelSizes) -> None:
     stages = sizes.pp * (sizes.vpp or 1)
     if config.num_layers % stages:
         raise ValueError(f"num_layers ({config.num_layers}) is not divisible by pp*vpp ({stages}) pipeline stages")
+    if config.num_moe_experts and config.num_moe_experts % sizes.ep:
+        raise ValueError(f"num_moe_experts ({config.num_moe_experts}) is not divisible by ep ({sizes.ep})")
     if config.num_moe_experts and sizes.tp > 1 and not sizes.sp:
         raise ValueError("Megatron's MoE layers train under tensor parallelism only with sequence parallelism: sp=True (the default)")
 

@@ -25,6 +25,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TRANSFORMER_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 
 
+def family_of(card: ModelCard) -> ModelFamily:
+    """The family of ``card``; ValueError naming the supported ones when there is none."""
+    family = FAMILIES.get(card.model_type)
+    if family is None:
+        raise ValueError(f"model card {card.name!r}: unsupported model_type {card.model_type!r}; supported: {sorted(FAMILIES)}")
+    return family
+
+
 def build_model(
     card: Union[str, os.PathLike, ModelCard],
     tp: int = 1,
@@ -65,9 +73,7 @@ def build_model(
     with a world of one. Weights are randomly initialised; the model is in training mode.
     """
     card = load_card(card)
-    family = FAMILIES.get(card.model_type)
-    if family is None:
-        raise ValueError(f"model card {card.name!r}: unsupported model_type {card.model_type!r}; supported: {sorted(FAMILIES)}")
+    family = family_of(card)
     sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, vpp=vpp, sp=sp)
     if use_transformer_engine is None:
         use_transformer_engine = (

@@ -56,7 +56,7 @@ from tqdm.auto import tqdm
 
 from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.parallel import ParallelSizes, check_model_split, current_parallel_sizes, initialize_parallel_state
-from .builder import FAMILIES, build_model, build_transformer_config
+from .builder import build_model, build_transformer_config, family_of
 from .cards import ModelCard, load_card
 from .family import ModelFamily, TensorMapping, _first, load_megatron_state_dict
 from .hf_folder import CONFIG_NAME, HFWeights, SafetensorsShardWriter, copy_small_files, hf_card, parse_size, write_json
@@ -157,7 +157,9 @@ def hf_to_megatron(
     layout = _model_layout(card)
     mapping = family.hf_file_state_dict_mapping(card, layout.config)
     mapping.check_hf_names(weights.names)
-    mapping.check_tied({name: weights.tensor(name) for pair in mapping.tied.items() for name in pair if name in weights.names})
+    # a tied alias is compared only where the folder has it (published tied checkpoints leave it out)
+    present = set(weights.names)
+    mapping.check_tied({name: weights.tensor(name) for pair in mapping.tied.items() if pair[0] in present for name in pair})
     tensors = _StreamedTensors(mapping.tensors, weights, layout.entries)
     with _staging(out_dir) as staging:
         _write_dist_checkpoint(staging, tensors.items, tensors.data, progress)
@@ -420,20 +422,10 @@ def _layer_index(mapping: TensorMapping) -> Optional[int]:
 # ---------------------------------------------------------------- small helpers
 
 
-def family_of(card: ModelCard) -> ModelFamily:
-    """The family of ``card``; ValueError naming the supported ones when there is none."""
-    family = FAMILIES.get(card.model_type)
-    if family is None:
-        raise ValueError(f"model card {card.name!r}: unsupported model_type {card.model_type!r}; supported: {sorted(FAMILIES)}")
-    return family
-
-
 def _check_parallel_sizes(card: ModelCard, family: ModelFamily, sizes: ParallelSizes) -> None:
     """ValueError when the model of ``card`` cannot be split ``sizes`` ways."""
     config = build_transformer_config(card, family, sizes, torch.float32, False, {"moe_grouped_gemm": False})
     check_model_split(config, family.gpt_model_kwargs(card)["vocab_size"], sizes)
-    if config.num_moe_experts and config.num_moe_experts % sizes.ep:
-        raise ValueError(f"num_moe_experts ({config.num_moe_experts}) is not divisible by ep ({sizes.ep})")
 
 
 def _as_tuple(tensors) -> Tuple[Tensor, ...]:

@@ -29,7 +29,7 @@ from megatron.core.utils import unwrap_model
 from torch import Tensor
 
 from .cards import ModelCard, load_card
-from .checkpoint import family_of
+from .builder import family_of
 from .family import _first
 
 NAMINGS = ("checkpoint", "transformers")
