@@ -351,8 +351,7 @@ class GemmaGPTModel(DualKVGPTModel):
         outputs = super()._preprocess(input_ids, position_ids, decoder_input, **kwargs)
         if not embeds_here:
             return outputs
-        weight_dtype = self.embedding.word_embeddings.weight.dtype
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=weight_dtype, device=outputs[0].device)
+        scale = _embedding_scale(self.config.hidden_size, self.embedding.word_embeddings.weight.dtype)
         return (outputs[0] * scale, *outputs[1:])
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
@@ -366,3 +365,10 @@ class GemmaGPTModel(DualKVGPTModel):
         if labels is None:
             return logits
         return self.compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
+
+
+@lru_cache(maxsize=None)
+def _embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """Gemma's sqrt(hidden_size) embedding scale rounded to the weights' dtype, as HF's Gemma does;
+    a Python number, so no host-to-device copy per forward."""
+    return float(torch.tensor(hidden_size**0.5, dtype=dtype))
