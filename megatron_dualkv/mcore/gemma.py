@@ -30,7 +30,6 @@ from typing import Optional, Sequence
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -296,24 +295,22 @@ class LayerTypeRotaryEmbedding(torch.nn.Module):
     Megatron's ``RotaryEmbedding`` (non-interleaved), so its RoPE application applies them.
     """
 
-    def __init__(self, inv_freqs: Sequence[Tensor], cp_group=None):
+    def __init__(self, inv_freqs: Sequence[Tensor]):
         super().__init__()
         # a plain attribute, not a buffer: mixed-precision wrappers must not cast it to bf16
         self.inv_freq = torch.cat([torch.cat([f, f]) for f in inv_freqs])
-        self.cp_group = cp_group
 
     get_rotary_seq_len = RotaryEmbedding.get_rotary_seq_len
 
     @lru_cache(maxsize=8)
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> Tensor:
+        """The table for positions offset .. offset + max_seq_len - 1. ``packed_seq`` and ``cp_group``
+        are Megatron's arguments; the table is never split by context-parallel rank here, because
+        ``DualKVGPTModel`` gives Megatron's modules a context-parallel group of one."""
         if torch.cuda.is_available() and self.inv_freq.device.type == "cpu":
             self.inv_freq = self.inv_freq.to(torch.cuda.current_device())
         positions = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
-        emb = torch.outer(positions, self.inv_freq)[:, None, None, :]
-        cp_group = self.cp_group if cp_group is None else cp_group
-        if cp_group is not None and cp_group.size() > 1 and not packed_seq:
-            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
-        return emb
+        return torch.outer(positions, self.inv_freq)[:, None, None, :]
 
 
 class GemmaGPTModel(DualKVGPTModel):
@@ -341,8 +338,7 @@ class GemmaGPTModel(DualKVGPTModel):
             config, transformer_layer_spec, vocab_size, max_sequence_length, position_embedding_type="rope", **kwargs
         )
         self.rotary_pos_emb = LayerTypeRotaryEmbedding(
-            [sliding_rope.inv_freq(config.kv_channels), full_rope.inv_freq(config.full_attention_head_dim)],
-            cp_group=self.pg_collection.cp,
+            [sliding_rope.inv_freq(config.kv_channels), full_rope.inv_freq(config.full_attention_head_dim)]
         )
         self.final_logit_softcapping = final_logit_softcapping
 

@@ -21,6 +21,7 @@ schedule hands them, but still need the layout for RoPE and attention.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Optional
 
 from megatron.core import tensor_parallel
@@ -102,14 +103,17 @@ class DualKVGPTModel(GPTModel):
             # GPTModel scatters the padding mask to the sequence-parallel split only on the stage
             # that embeds; later pipeline stages (MoE routing) need it split the same way.
             padding_mask = tensor_parallel.scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1)).transpose(0, 1)
-        outputs = super()._preprocess(
-            input_ids, position_ids, decoder_input, inference_context, packed_seq_params, padding_mask
-        )
-        rotary_pos_emb = outputs[1]
-        if rotary_pos_emb is None or not dualkv:
-            return outputs
-        per_token = self.rotary_pos_emb_at(packed_seq_params, position_ids)
-        return (outputs[0], per_token, *outputs[2:])
+        if not dualkv or self.position_embedding_type != "rope":
+            return super()._preprocess(
+                input_ids, position_ids, decoder_input, inference_context, packed_seq_params, padding_mask
+            )
+        # Megatron builds its table for max_seqlen rows: ask for the rows our positions need (the
+        # same power-of-two lengths every step, so its table cache hits) and gather from it.
+        positions, rows = self._rope_positions(packed_seq_params, position_ids)
+        table_params = replace(packed_seq_params, max_seqlen_q=rows, max_seqlen_kv=rows)
+        outputs = super()._preprocess(input_ids, position_ids, decoder_input, inference_context, table_params, padding_mask)
+        table = outputs[1]
+        return (outputs[0], table[positions.to(table.device)], *outputs[2:])
 
     def rotary_pos_emb_at(self, packed_seq_params: DualKVPackedSeqParams, position_ids: Optional[Tensor]) -> Tensor:
         """``[T, 1, 1, rot_dim]`` RoPE frequencies of every packed token at its logical position.
@@ -118,6 +122,13 @@ class DualKVGPTModel(GPTModel):
         positions are used) must be the packed positions of the layout's tokens (of this rank's
         slice of them under context parallelism: then T is the slice's length).
         """
+        positions, rows = self._rope_positions(packed_seq_params, position_ids)
+        table = self.rotary_pos_emb(rows, packed_seq=True)
+        return table[positions.to(table.device)]
+
+    def _rope_positions(self, packed_seq_params: DualKVPackedSeqParams, position_ids: Optional[Tensor]):
+        """(logical positions of this rank's tokens, rows of the RoPE table they need); ValueError
+        when they do not match the layout or pass the model's max_sequence_length."""
         layout = packed_seq_params.layout
         tokens = local_tokens(packed_seq_params)
         positions = layout.position_ids[tokens] if position_ids is None else position_ids.reshape(-1)
@@ -134,9 +145,7 @@ class DualKVGPTModel(GPTModel):
             )
         # Rows depend only on their position, so a table just long enough gives the same values;
         # powers of two keep the number of cached tables small (262144 rows would be ~0.8 GB for Gemma 4).
-        rows = min(self.max_sequence_length, 1 << max(longest - 1, 1).bit_length())
-        table = self.rotary_pos_emb(rows, packed_seq=True)
-        return table[positions.to(table.device)]
+        return positions, min(self.max_sequence_length, 1 << max(longest - 1, 1).bit_length())
 
 
 def _check_inputs_match_layout(packed_seq_params: DualKVPackedSeqParams, input_ids: Optional[Tensor]) -> None:
