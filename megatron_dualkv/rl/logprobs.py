@@ -167,7 +167,8 @@ def _packed_predictions(model, batch: PackedBatch, logits: Tensor) -> Tuple[Tens
     tokens = ResponseTokens.from_layout(batch.layout)
     cp_group = get_attr_wrapped_model(model, "context_parallel_group")
     if context_parallel_size(cp_group) == 1:
-        return logits[0, tokens.predictor_index.to(logits.device)], batch.tokens[tokens.token_index], None
+        rows = ResponseTokens.from_layout(batch.layout, logits.device).predictor_index
+        return logits[0, rows], batch.tokens[tokens.token_index], None
     local = context_parallel_slice(batch.num_tokens, cp_group)
     index = torch.nonzero((tokens.predictor_index >= local.start) & (tokens.predictor_index < local.stop)).squeeze(1)
     rows = tokens.predictor_index[index] - local.start

@@ -94,7 +94,8 @@ def clipped_policy_loss(
     """
     _check_inputs(logprobs, old_logprobs, advantages, tokens, aggregation, ref_logprobs, kl_coef)
     device = logprobs.device
-    token_advantage = advantages.to(device, torch.float32)[tokens.response_id.to(device)]
+    advantages = advantages.to(device, torch.float32)
+    token_advantage = advantages[tokens.response_id.to(device)]
     ratio = torch.exp(logprobs - old_logprobs.to(device))
     clipped_ratio = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     unclipped_term, clipped_term = ratio * token_advantage, clipped_ratio * token_advantage
@@ -102,7 +103,7 @@ def clipped_policy_loss(
     metrics = {
         "ratio_mean": tokens.response_mean(ratio.detach()),
         "clip_fraction": tokens.response_mean((clipped_term < unclipped_term).float()),
-        "advantage": advantages.detach().float().to(device),
+        "advantage": advantages.detach(),
     }
     if ref_logprobs is not None:
         log_ref_ratio = ref_logprobs.to(device) - logprobs

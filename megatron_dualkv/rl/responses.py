@@ -12,7 +12,7 @@ the first token of every response is predicted by the logits at its group's LAST
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Sequence, Tuple
 
 import torch
@@ -28,18 +28,25 @@ class ResponseTokens:
     token_index:     (N,) packed position of each response token
     predictor_index: (N,) packed position whose logits predict it
     response_id:     (N,) flat response number (0..num_responses-1) of each token
+    lens:            (num_responses,) token count of each response
     response_lens:   per group, the response lengths
     """
 
     token_index: Tensor
     predictor_index: Tensor
     response_id: Tensor
+    lens: Tensor
     response_lens: Tuple[Tuple[int, ...], ...]
 
     @classmethod
-    def from_layout(cls, layout: DualKVLayout) -> "ResponseTokens":
-        """The index of ``layout`` (built once per layout object, then reused)."""
-        return layout.derived(cls, lambda: cls._build(layout))
+    def from_layout(cls, layout: DualKVLayout, device=None) -> "ResponseTokens":
+        """The index of ``layout`` with its tensors on ``device`` (default: the layout's), built
+        once per layout object and device, then reused: losses index device tensors with it every
+        micro-batch, and a host-to-device copy per use would wait for the GPU each time."""
+        device = layout.device if device is None else torch.device(device)
+        if device == torch.device("cpu"):
+            return layout.derived((cls, device), lambda: cls._build(layout))
+        return layout.derived((cls, device), lambda: cls.from_layout(layout, "cpu")._to(device))
 
     @classmethod
     def _build(cls, layout: DualKVLayout) -> "ResponseTokens":
@@ -54,8 +61,13 @@ class ResponseTokens:
             token_index=torch.cat(token_index),
             predictor_index=torch.cat(predictor_index),
             response_id=torch.cat(response_id),
+            lens=torch.tensor([r for rs in layout.response_lens for r in rs]),
             response_lens=layout.response_lens,
         )
+
+    def _to(self, device) -> "ResponseTokens":
+        return replace(self, token_index=self.token_index.to(device), predictor_index=self.predictor_index.to(device),
+                       response_id=self.response_id.to(device), lens=self.lens.to(device))
 
     @property
     def num_tokens(self) -> int:
@@ -96,8 +108,7 @@ class ResponseTokens:
         """(N,) per-token values -> (num_responses,) mean over each response's tokens."""
         response_id = self.response_id.to(values.device)
         sums = torch.zeros(self.num_responses, dtype=values.dtype, device=values.device).index_add(0, response_id, values)
-        lens = torch.tensor([r for rs in self.response_lens for r in rs], dtype=values.dtype, device=values.device)
-        return sums / lens
+        return sums / self.lens.to(values.device, values.dtype)
 
     def split_groups(self, per_response: Tensor) -> List[Tensor]:
         """(num_responses,) -> per group an (N_g,) tensor (the layout of ``PackedBatch.rewards``)."""

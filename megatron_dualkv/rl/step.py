@@ -191,7 +191,7 @@ def _checked(micro_batch) -> RLMicroBatch:
 
 
 def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, logits: Tensor):
-    tokens = ResponseTokens.from_layout(micro_batch.batch.layout)
+    tokens = ResponseTokens.from_layout(micro_batch.batch.layout, logits.device)
     logprobs, entropy = logprobs_from_output(model, micro_batch.batch, logits, layout, with_entropy)
     output = RLStepOutput(logprobs=tokens.split(logprobs.detach()))
     if entropy is not None:
