@@ -30,6 +30,13 @@ import torch
 INT32_MAX = 2**31 - 1
 
 
+
+def causal_pairs(n: int, window_size: Optional[int] = None) -> int:
+    """(query, key) pairs of causal attention over positions 0..n-1: sum over p < n of min(p + 1, window)."""
+    if window_size is None or n <= window_size:
+        return n * (n + 1) // 2
+    return window_size * (window_size + 1) // 2 + (n - window_size) * window_size
+
 @dataclass(frozen=True, eq=False)
 class DualKVLayout:
     """Segment structure of a packed DualKV micro-batch.
@@ -115,13 +122,8 @@ class DualKVLayout:
         positions max(0, p - window + 1)..p (prompt keys, then its own response's), so the count
         is sum_t min(p_t + 1, window): the useful work FLOP counts are based on. Counted from the
         segments (positions prefix_len .. prefix_len + length - 1), so never a device sync."""
-
-        def upto(n: int) -> int:  # sum of min(p + 1, window) over positions p < n
-            if window_size is None or n <= window_size:
-                return n * (n + 1) // 2
-            return window_size * (window_size + 1) // 2 + (n - window_size) * window_size
-
-        return sum(upto(prefix_len + length) - upto(prefix_len) for _, length, _, prefix_len in self.segments)
+        return sum(causal_pairs(prefix_len + length, window_size) - causal_pairs(prefix_len, window_size)
+                   for _, length, _, prefix_len in self.segments)
 
     @cached_property
     def segments(self) -> Tuple[Tuple[int, int, int, int], ...]:

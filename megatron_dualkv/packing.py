@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .layout import INT32_MAX, DualKVLayout
+from .layout import DualKVLayout, causal_pairs
 
 
 @dataclass
@@ -128,8 +128,9 @@ class PackedBatch:
     @property
     def attention_pair_ratio(self) -> float:
         """Causal (query, key) pairs of the replicated layout over those of the packed layout (padding excluded)."""
-        pad = self.layout.pad_len * (self.layout.pad_len + 1) // 2
-        return self.replicated().layout.attention_pairs() / (self.layout.attention_pairs() - pad)
+        layout = self.layout
+        replicated = sum(causal_pairs(p + r) for p, rs in zip(layout.prompt_lens, layout.response_lens) for r in rs)
+        return replicated / (layout.attention_pairs() - causal_pairs(layout.pad_len))
 
     def __repr__(self) -> str:
         return f"PackedBatch(tokens={self.num_tokens}, rho={self.rho:.2f}, layout={self.layout})"
@@ -147,10 +148,9 @@ def pack_groups(groups: Sequence[RolloutGroup], pad_to_multiple_of: int = 1, pad
     groups = list(groups)
     if not groups:
         raise ValueError("pack_groups: no rollout groups given")
+    check_rollout_groups(groups, "pack_groups")
     prompt_lens, response_lens = [], []
     for g, group in enumerate(groups):
-        if not isinstance(group, RolloutGroup):
-            raise ValueError(f"group {g}: expected a RolloutGroup, got {type(group).__name__}")
         if len(group.prompt) == 0:
             raise ValueError(f"group {g}: empty prompt")
         if len(group.responses) == 0:
@@ -158,30 +158,33 @@ def pack_groups(groups: Sequence[RolloutGroup], pad_to_multiple_of: int = 1, pad
         for i, r in enumerate(group.responses):
             if len(r) == 0:
                 raise ValueError(f"group {g}: response {i} is empty")
-        if group.rewards is not None and len(group.rewards) != len(group.responses):
-            raise ValueError(f"group {g}: {len(group.rewards)} rewards for {len(group.responses)} responses")
         prompt_lens.append(len(group.prompt))
         response_lens.append(tuple(len(r) for r in group.responses))
     total = sum(prompt_lens) + sum(map(sum, response_lens))
     padded = -(-total // pad_to_multiple_of) * pad_to_multiple_of
-    if padded > INT32_MAX:
-        raise ValueError(
-            f"pack_groups: {padded} packed tokens overflow int32 indexing (max {INT32_MAX}); "
-            "split the rollouts into more micro-batches"
-        )
+    layout = DualKVLayout(tuple(prompt_lens), tuple(response_lens), padded - total)  # checks int32 first
     pieces = []
     for g, group in enumerate(groups):
         pieces.append(_token_ids(group.prompt, f"group {g} prompt"))
         pieces += [_token_ids(r, f"group {g} response {i}") for i, r in enumerate(group.responses)]
     if padded > total:
         pieces.append(torch.full((padded - total,), pad_token_id, dtype=torch.long))
-    layout = DualKVLayout(tuple(prompt_lens), tuple(response_lens), padded - total)
     rewards = None
-    if any(group.rewards is not None for group in groups):
-        if not all(group.rewards is not None for group in groups):
-            raise ValueError("pack_groups: either every group has rewards or none does")
+    if groups[0].rewards is not None:
         rewards = [torch.as_tensor(group.rewards, dtype=torch.float32) for group in groups]
     return PackedBatch(torch.cat(pieces), layout, rewards)
+
+
+def check_rollout_groups(groups: Sequence[RolloutGroup], caller: str) -> None:
+    """ValueError unless every item is a RolloutGroup with one reward per response, or no rewards
+    in every group (what pack_groups and plan_micro_batches both need)."""
+    for g, group in enumerate(groups):
+        if not isinstance(group, RolloutGroup):
+            raise ValueError(f"group {g}: expected a RolloutGroup, got {type(group).__name__}")
+        if group.rewards is not None and len(group.rewards) != len(group.responses):
+            raise ValueError(f"group {g}: {len(group.rewards)} rewards for {len(group.responses)} responses")
+    if len({group.rewards is None for group in groups}) > 1:
+        raise ValueError(f"{caller}: either every group has rewards or none does")
 
 
 def _token_ids(ids, what: str) -> torch.Tensor:

@@ -51,8 +51,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .layout import DualKVLayout
-from .packing import PackedBatch, RolloutGroup, pack_groups
+from .layout import DualKVLayout, causal_pairs
+from .packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
 
 DEFAULT_ATTENTION_WEIGHT = 2.0**-14
 
@@ -79,7 +79,7 @@ class CostModel:
         mlp_matrices = 3 if config.gated_linear_unit else 2
         attention = 2 * h * d * (2 * heads + 2 * kv_heads)
         dense_mlp = 2 * h * config.ffn_hidden_size * mlp_matrices
-        moe_layers = _moe_layer_count(config)
+        moe_layers = sum(moe_layer_flags(config))
         if moe_layers:
             shared = config.moe_shared_expert_intermediate_size or 0
             moe_mlp = 2 * h * (config.num_moe_experts + (config.moe_router_topk * config.moe_ffn_hidden_size + shared) * mlp_matrices)
@@ -96,19 +96,16 @@ class CostModel:
 
     def layout_flops(self, layout: DualKVLayout) -> float:
         """Forward FLOPs of the tokens and attention pairs of ``layout``, padding excluded."""
-        pad = layout.pad_len
-        pairs = layout.attention_pairs() - pad * (pad + 1) // 2
-        return self.token_flops * (layout.total_tokens - pad) + self.pair_flops * pairs
+        pairs = layout.attention_pairs() - causal_pairs(layout.pad_len)
+        return self.token_flops * (layout.total_tokens - layout.pad_len) + self.pair_flops * pairs
 
 
-def _moe_layer_count(config) -> int:
-    """Layers with experts, as Megatron reads ``moe_layer_freq`` (every k-th layer, or a 0/1 list)."""
+def moe_layer_flags(config) -> List[int]:
+    """1 per layer with experts, as Megatron reads ``moe_layer_freq`` (every k-th layer, or a 0/1 list)."""
     if not config.num_moe_experts:
-        return 0
+        return [0] * config.num_layers
     freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return sum(1 for i in range(config.num_layers) if i % freq == 0)
-    return sum(freq)
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
 
 
 @dataclass(frozen=True)
@@ -239,7 +236,7 @@ def plan_micro_batches(
     lens = [(len(g.prompt), [len(r) for r in g.responses]) for g in groups]
     return MicroBatchPlan(
         ranks=ranks,
-        num_responses=sum(len(rs) for _, rs in lens),
+        num_responses=offsets[-1],
         response_tokens=sum(sum(rs) for _, rs in lens),
         rollout_tokens=sum(len(rs) * p + sum(rs) for p, rs in lens),
         packed_tokens=sum(item.tokens for item in items),
@@ -249,15 +246,10 @@ def plan_micro_batches(
 def _check_groups(groups: List[RolloutGroup], max_tokens: int) -> None:
     if not groups:
         raise ValueError("plan_micro_batches: no rollout groups given")
+    check_rollout_groups(groups, "plan_micro_batches")
     for g, group in enumerate(groups):
-        if not isinstance(group, RolloutGroup):
-            raise ValueError(f"group {g}: expected a RolloutGroup, got {type(group).__name__}")
         if len(group.prompt) == 0 or len(group.responses) == 0 or min(map(len, group.responses)) == 0:
             raise ValueError(f"group {g}: needs a non-empty prompt and at least one response, all non-empty")
-        if group.rewards is not None and len(group.rewards) != len(group.responses):
-            raise ValueError(f"group {g}: {len(group.rewards)} rewards for {len(group.responses)} responses")
-        if (group.rewards is None) != (groups[0].rewards is None):
-            raise ValueError("plan_micro_batches: either every group has rewards or none does")
         longest = len(group.prompt) + max(map(len, group.responses))
         if longest > max_tokens:
             raise ValueError(
@@ -274,7 +266,7 @@ def _item_cost(groups: List[RolloutGroup], attention_weight: float) -> Callable[
         p = len(groups[g].prompt)
         lens = [len(groups[g].responses[i]) for i in responses]
         tokens = p + sum(lens)
-        pairs = p * (p + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in lens)
+        pairs = causal_pairs(p) + sum(causal_pairs(p + r) - causal_pairs(p) for r in lens)
         return _Item(g, tuple(sorted(responses)), tokens, tokens + attention_weight * pairs)
 
     return item
@@ -292,8 +284,9 @@ def _split_group(groups, item: _Item, max_tokens: int, cost, parts: Optional[int
     prompt = len(groups[item.group].prompt)
     responses = [cost(item.group, [i]) for i in item.responses]
     # A response alone is prompt + response: what it adds to a sub-group is that minus the prompt.
+    prompt_cost = cost(item.group, []).cost
     sizes = [r.tokens - prompt for r in responses]
-    costs = [r.cost - cost(item.group, []).cost for r in responses]
+    costs = [r.cost - prompt_cost for r in responses]
     if parts is None:
         parts = -(-sum(sizes) // (max_tokens - prompt))
     bins = None

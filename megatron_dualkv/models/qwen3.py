@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..planner import moe_layer_flags
 from .cards import ModelCard
 from .family import (
     ModelFamily,
@@ -129,7 +130,7 @@ def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts
         raise NotImplementedError(
             "the Qwen3-MoE state-dict mapping names SequentialMLP experts; build the model with moe_grouped_gemm=False"
         )
-    moe_layers = _moe_layers(config)
+    moe_layers = moe_layer_flags(config)
     mappings = [
         one_to_one("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
         one_to_one("model.norm.weight", "decoder.final_layernorm.weight"),
@@ -149,14 +150,6 @@ def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts
     if not tied:
         mappings.append(one_to_one("lm_head.weight", "output_layer.weight"))
     return StateDictMapping(tuple(mappings), {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
-
-
-def _moe_layers(config: TransformerConfig) -> List[int]:
-    """1 per MoE layer, from ``moe_layer_freq`` (a pattern, or every n-th layer as Megatron reads an int)."""
-    if not config.num_moe_experts:
-        return [0] * config.num_layers
-    freq = config.moe_layer_freq
-    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
 
 
 def _mlp_mappings(hf: str, ours: str) -> List[TensorMapping]:
