@@ -202,7 +202,7 @@ def megatron_to_hf(
             entries = {name: layout.entries[name] for m in unit for name in m.megatron}
             tensors = _load_full_tensors(megatron_dir, entries, stored)
             for m in unit:
-                for name, tensor in zip(m.hf, _as_tuple(m.to_hf(*(tensors[n] for n in m.megatron)))):
+                for name, tensor in m.convert("hf", *(tensors[n] for n in m.megatron)).items():
                     writer.add(name, tensor)
         writer.finish()
         copy_small_files(megatron_dir, staging, skip=_MEGATRON_FILES)
@@ -305,11 +305,11 @@ class _StreamedTensors:
         inputs = [read(name) for name in mapping.hf]
         shapes = {name: tuple(t.shape) for name, t in zip(mapping.hf, inputs)}
         try:
-            outputs = _as_tuple(mapping.to_megatron(*inputs))
+            outputs = mapping.convert("megatron", *inputs)
         except RuntimeError as err:  # e.g. torch.cat of gate and up projections of different shapes
             raise ValueError(f"Hugging Face tensors of shapes {shapes} do not make {list(mapping.megatron)}: {err}") from None
         pieces = []
-        for name, tensor in zip(mapping.megatron, outputs):
+        for name, tensor in outputs.items():
             expected = tuple(self._entries[name].data.shape)
             if tuple(tensor.shape) != expected:
                 raise ValueError(
@@ -428,8 +428,6 @@ def _check_parallel_sizes(card: ModelCard, family: ModelFamily, sizes: ParallelS
     check_model_split(config, family.gpt_model_kwargs(card)["vocab_size"], sizes)
 
 
-def _as_tuple(tensors) -> Tuple[Tensor, ...]:
-    return (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
 
 
 def _hf_config(card: ModelCard) -> dict:

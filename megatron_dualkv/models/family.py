@@ -49,6 +49,17 @@ class TensorMapping:
     to_megatron: Callable[..., Tuple[Tensor, ...]] = lambda *tensors: tensors  # noqa: E731
     to_hf: Callable[..., Tuple[Tensor, ...]] = lambda *tensors: tensors  # noqa: E731
 
+    def convert(self, target: str, *tensors: Tensor) -> Dict[str, Tensor]:
+        """The ``target`` side's tensors ("megatron" or "hf") by name, made from the other side's
+        ``tensors`` (in its name order); ValueError when the conversion makes the wrong number."""
+        source = "hf" if target == "megatron" else "megatron"
+        names = getattr(self, target)
+        outputs = getattr(self, "to_" + target)(*tensors)
+        outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+        if len(outputs) != len(names):
+            raise ValueError(f"mapping {getattr(self, source)} -> {names} produced {len(outputs)} tensors")
+        return dict(zip(names, outputs))
+
 
 @dataclass(frozen=True)
 class StateDictMapping:
@@ -77,12 +88,12 @@ class StateDictMapping:
     def to_megatron(self, hf_state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
         self.check_hf_names(hf_state_dict)
         self.check_tied(hf_state_dict)
-        return _apply(self.tensors, hf_state_dict, "hf", "megatron", "to_megatron")
+        return _apply(self.tensors, hf_state_dict, "hf", "megatron")
 
     def to_hf(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
         tensors = {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
         _check_names("Megatron", tensors, [n for m in self.tensors for n in m.megatron], {})
-        hf = _apply(self.tensors, tensors, "megatron", "hf", "to_hf")
+        hf = _apply(self.tensors, tensors, "megatron", "hf")
         hf.update({alias: hf[source] for alias, source in self.tied.items()})
         return hf
 
@@ -100,15 +111,10 @@ def _first(names: Sequence[str], n: int = 5) -> str:
     return "none" if not names else ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
-def _apply(mappings, state_dict, source: str, target: str, convert: str) -> Dict[str, Tensor]:
+def _apply(mappings, state_dict, source: str, target: str) -> Dict[str, Tensor]:
     out = {}
     for mapping in mappings:
-        names = getattr(mapping, target)
-        tensors = getattr(mapping, convert)(*(state_dict[n] for n in getattr(mapping, source)))
-        tensors = (tensors,) if isinstance(tensors, Tensor) else tensors
-        if len(tensors) != len(names):
-            raise ValueError(f"mapping {getattr(mapping, source)} -> {names} produced {len(tensors)} tensors")
-        out.update(zip(names, tensors))
+        out.update(mapping.convert(target, *(state_dict[n] for n in getattr(mapping, source))))
     return out
 
 

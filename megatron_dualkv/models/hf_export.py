@@ -73,8 +73,7 @@ def export_hf_weights(
     with torch.no_grad():
         for m in mapping.tensors:
             tensors = [_full_tensor(name, local.get(name), directory[name], device) for name in m.megatron]
-            outputs = m.to_hf(*tensors)
-            for name, tensor in zip(m.hf, (outputs,) if isinstance(outputs, Tensor) else outputs):
+            for name, tensor in m.convert("hf", *tensors).items():
                 yield name, tensor
                 if name in aliases:
                     yield aliases[name], tensor
