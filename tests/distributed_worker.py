@@ -30,6 +30,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import build_model
+from megatron_dualkv.models.hf_export import _global_name  # the single-rank model's name of a parameter
 from megatron_dualkv.rl import (
     GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, vocab_parallel_logprobs,
 )
@@ -140,21 +141,8 @@ def parameter_pieces(chunks) -> Dict[str, Dict]:
                 else:
                     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
                 split = dict(rank=rank, size=size, dim=param.partition_dim, stride=param.partition_stride)
-            pieces[global_name(chunk, name)] = dict(value=param.detach().clone(), grad=param.main_grad.clone(), split=split)
+            pieces[_global_name(chunk, name)] = dict(value=param.detach().clone(), grad=param.main_grad.clone(), split=split)
     return pieces
-
-
-def global_name(model, name: str) -> str:
-    """``decoder.layers.<local>...local_experts.<local>`` -> the single-rank model's name."""
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        layer = model.decoder.layers[int(parts[2])]
-        parts[2] = str(layer.layer_number - 1)
-        if "local_experts" in parts:
-            i = parts.index("local_experts") + 1
-            local = len(layer.mlp.experts.local_experts)
-            parts[i] = str(parallel_state.get_expert_model_parallel_rank() * local + int(parts[i]))
-    return ".".join(parts)
 
 
 def fixed_logits_and_targets():
