@@ -62,6 +62,17 @@ def bench(fn, grad_to_none=None) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median")
 
 
+def sbhd_attention(query, key, value, attend, repeat_kv: bool = True):
+    """A Megatron core attention's ``[s, b, heads, d]`` q/k/v -> ``attend(q, k, v)`` on
+    ``[b, heads, s, d]`` (K/V heads repeated for GQA unless ``repeat_kv`` is off) -> ``[s, b, heads * d]``:
+    the baselines of the model-level benchmarks run through this."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    if repeat_kv:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    out = attend(q, k, v)
+    return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
 def inputs(w: Workload, dtype=torch.bfloat16):
     T = w.p + w.n * w.r
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_attention import bench  # noqa: E402  (tools/ is on sys.path when run as a script)
+from bench_attention import bench, sbhd_attention  # noqa: E402  (tools/ is on sys.path when run as a script)
 from megatron_dualkv import DualKVLayout  # noqa: E402
 from megatron_dualkv.mcore import DualKVPackedSeqParams  # noqa: E402
 from megatron_dualkv.models import ModelCard, build_model, load_card  # noqa: E402
@@ -65,11 +65,7 @@ class ReplicatedCoreAttention(torch.nn.Module):
             self.band = (k <= q) & (q - k < window)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if self.method != "flash_attn":
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-        out = self._attend(q, k, v)  # [b, heads, s, d]
-        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+        return sbhd_attention(query, key, value, self._attend, repeat_kv=self.method != "flash_attn")
 
     def _attend(self, q, k, v):
         if self.method == "flex":

@@ -37,8 +37,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tools")]
 import grpo_policy_update as policy_update  # noqa: E402
+from bench_attention import sbhd_attention  # noqa: E402
 from megatron_dualkv import RolloutGroup  # noqa: E402
 from megatron_dualkv.mcore import DualKVAttention  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
@@ -63,13 +64,12 @@ class SDPAReplicatedAttention(DualKVAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        # [s, b, heads, d] -> [b, heads, s, d]; GQA: K/V heads repeated, as Megatron's DotProductAttention does
-        q, k, v = (x.permute(1, 2, 0, 3).contiguous() for x in (query, key, value))
-        repeats = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        # GQA: K/V heads repeated, as Megatron's DotProductAttention does
+        return sbhd_attention(query, key, value, self._attend)
+
+    def _attend(self, q, k, v):
         with sdpa_kernel(SDPA_BACKENDS[q.device.type]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.dualkv_softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.dualkv_softmax_scale)
 
 
 def use_sdpa_for_replicated(model: torch.nn.Module) -> None:
