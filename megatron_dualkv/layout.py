@@ -143,12 +143,21 @@ class DualKVLayout:
         return tuple(out)
 
     @cached_property
+    def response_segments(self) -> Tuple[Tuple[int, int, int, int], ...]:
+        """The ``segments`` of responses, in packed order: those with a prefix (prompts and padding have none)."""
+        return tuple(seg for seg in self.segments if seg[3])
+
+    @cached_property
+    def max_logical_len(self) -> int:
+        """Longest logical sequence (a prompt, or a prompt plus one of its responses): the RoPE positions needed."""
+        return max((prefix_len + length for _, length, _, prefix_len in self.segments), default=0)
+
+    @cached_property
     def loss_mask(self) -> torch.Tensor:
         """(T,) bool: True on response tokens (what RL losses train), False on prompts and padding."""
         mask = torch.zeros(self.total_tokens, dtype=torch.bool)
-        for start, length, _, prefix_len in self.segments:
-            if prefix_len:  # responses; prompts and padding have no prefix
-                mask[start : start + length] = True
+        for start, length, _, _ in self.response_segments:
+            mask[start : start + length] = True
         return mask.to(self.device)
 
     def derived(self, key, build):

@@ -97,11 +97,10 @@ class PackedBatch:
     @cached_property
     def _replicated(self) -> ReplicatedBatch:
         index, seq_lens, is_response = [], [], []
-        for start, length, prefix_start, prefix_len in self.layout.segments:
-            if prefix_len:  # a response: its prompt copy, then itself
-                index += [torch.arange(prefix_start, prefix_start + prefix_len), torch.arange(start, start + length)]
-                is_response += [torch.zeros(prefix_len, dtype=torch.bool), torch.ones(length, dtype=torch.bool)]
-                seq_lens.append(prefix_len + length)
+        for start, length, prefix_start, prefix_len in self.layout.response_segments:  # its prompt copy, then itself
+            index += [torch.arange(prefix_start, prefix_start + prefix_len), torch.arange(start, start + length)]
+            is_response += [torch.zeros(prefix_len, dtype=torch.bool), torch.ones(length, dtype=torch.bool)]
+            seq_lens.append(prefix_len + length)
         # Each replicated sequence is a group without responses: a plain causal segment.
         layout = DualKVLayout(tuple(seq_lens), ((),) * len(seq_lens), 0, self.layout.device)
         index = torch.cat(index).to(self.tokens.device)

@@ -137,7 +137,7 @@ class DualKVGPTModel(GPTModel):
                 f"position_ids has {positions.numel()} entries but the DualKVLayout describes {layout.total_tokens} tokens"
                 + _split_note(packed_seq_params)
             )
-        longest = max((prefix_len + length for _, length, _, prefix_len in layout.segments), default=0)
+        longest = layout.max_logical_len
         if longest > self.max_sequence_length:
             raise ValueError(
                 f"a packed sequence reaches position {longest - 1}, beyond the model's max_sequence_length "

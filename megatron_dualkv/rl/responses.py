@@ -51,8 +51,7 @@ class ResponseTokens:
     @classmethod
     def _build(cls, layout: DualKVLayout) -> "ResponseTokens":
         token_index, predictor_index, response_id = [], [], []
-        responses = [seg for seg in layout.segments if seg[3]]  # segments with a prompt prefix
-        for number, (start, length, prompt_start, prompt_len) in enumerate(responses):
+        for number, (start, length, prompt_start, prompt_len) in enumerate(layout.response_segments):
             tokens = torch.arange(start, start + length)
             token_index.append(tokens)
             predictor_index += [torch.tensor([prompt_start + prompt_len - 1]), tokens[:-1]]
