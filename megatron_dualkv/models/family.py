@@ -203,6 +203,19 @@ def one_to_one(hf: str, megatron: str) -> TensorMapping:
     return TensorMapping((hf,), (megatron,))
 
 
+def decoder_mapping(layer_mappings: Sequence[TensorMapping], tied: bool) -> StateDictMapping:
+    """A transformers decoder's embedding, final norm and (untied) ``lm_head`` around the family's
+    per-layer mappings; a tied ``lm_head.weight`` is an alias of the embedding."""
+    mappings = [
+        one_to_one("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        one_to_one("model.norm.weight", "decoder.final_layernorm.weight"),
+        *layer_mappings,
+    ]
+    if not tied:
+        mappings.append(one_to_one("lm_head.weight", "output_layer.weight"))
+    return StateDictMapping(tuple(mappings), {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+
+
 def attention_mappings(hf: str, megatron: str, config: TransformerConfig, keys_are_values: bool = False) -> List[TensorMapping]:
     """A transformers ``self_attn`` (q/k/v/o projections, q/k norms) <-> Megatron's ``self_attention``.
 

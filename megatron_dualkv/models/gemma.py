@@ -33,7 +33,15 @@ import torch.nn.functional as F
 
 from ..mcore.gemma import GemmaGPTModel, GemmaTransformerConfig, RopeSpec, gemma_block_spec
 from .cards import ModelCard
-from .family import ModelFamily, StateDictMapping, attention_mappings, card_field, gated_mlp_mapping, one_to_one
+from .family import (
+    ModelFamily,
+    StateDictMapping,
+    attention_mappings,
+    card_field,
+    decoder_mapping,
+    gated_mlp_mapping,
+    one_to_one,
+)
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -99,10 +107,7 @@ def gemma_state_dict_mapping(card: ModelCard, config: GemmaTransformerConfig) ->
     Multimodal checkpoints (``*ForConditionalGeneration``) name the same tensors under
     ``model.language_model.`` instead of ``model.``.
     """
-    mappings = [
-        one_to_one("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-        one_to_one("model.norm.weight", "decoder.final_layernorm.weight"),
-    ]
+    mappings = []
     for i in range(config.num_layers):
         hf, ours, number = f"model.layers.{i}.", f"decoder.layers.{i}.", i + 1
         keys_are_values = config.full_attention_keys_are_values and config.is_full_attention(number)
@@ -117,10 +122,7 @@ def gemma_state_dict_mapping(card: ModelCard, config: GemmaTransformerConfig) ->
         ]
         if config.layer_scalar:
             mappings.append(one_to_one(hf + "layer_scalar", ours + "layer_scalar"))
-    tied = card_field(card, "tie_word_embeddings", True)
-    if not tied:
-        mappings.append(one_to_one("lm_head.weight", "output_layer.weight"))
-    return StateDictMapping(tuple(mappings), {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+    return decoder_mapping(mappings, tied=card_field(card, "tie_word_embeddings", True))
 
 
 def _decoder_kwargs(card: ModelCard, layer_types: Sequence[str]) -> Dict[str, Any]:

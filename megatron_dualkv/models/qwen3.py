@@ -24,6 +24,7 @@ from .family import (
     TensorMapping,
     attention_mappings,
     card_field,
+    decoder_mapping,
     gated_mlp_mapping,
     one_to_one,
 )
@@ -131,10 +132,7 @@ def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts
             "the Qwen3-MoE state-dict mapping names SequentialMLP experts; build the model with moe_grouped_gemm=False"
         )
     moe_layers = moe_layer_flags(config)
-    mappings = [
-        one_to_one("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
-        one_to_one("model.norm.weight", "decoder.final_layernorm.weight"),
-    ]
+    mappings = []
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
         mappings += attention_mappings(hf + "self_attn.", ours + "self_attention.", config)
@@ -146,10 +144,7 @@ def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts
             mappings += _moe_mappings(hf + "mlp.", ours + "mlp.", config, experts_one_by_one)
         else:
             mappings += _mlp_mappings(hf + "mlp.", ours + "mlp.")
-    tied = card_field(card, "tie_word_embeddings", False)
-    if not tied:
-        mappings.append(one_to_one("lm_head.weight", "output_layer.weight"))
-    return StateDictMapping(tuple(mappings), {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+    return decoder_mapping(mappings, tied=card_field(card, "tie_word_embeddings", False))
 
 
 def _mlp_mappings(hf: str, ours: str) -> List[TensorMapping]:
