@@ -164,11 +164,11 @@ def _from_last_pipeline_stage(outputs: List[RLStepOutput], device: torch.device)
     """The last pipeline stage's outputs on every stage (Megatron's schedule returns them there only)."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return outputs
+    source = parallel_state.get_pipeline_model_parallel_last_rank()
     payload = [[_moved(output, "cpu") for output in outputs]]
-    dist.broadcast_object_list(
-        payload, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-    )
+    dist.broadcast_object_list(payload, src=source, group=parallel_state.get_pipeline_model_parallel_group())
+    if dist.get_rank() == source:  # the source keeps its own outputs where they are
+        return outputs
     return [_moved(output, device) for output in payload[0]]
 
 
