@@ -5,30 +5,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
+from megatron_dualkv import DualKVLayout, pack_groups
+from flash_check import check_flash_style, grads
 from strategies import rollout_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def grads(layout, q, k, v, dout, backend, **kw):
-    x = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = dualkv_attn_func(*x, layout, backend=backend, **kw)
-    return (out, *torch.autograd.grad(out, x, dout))
-
-
-def check_flash_style(layout, hq, hkv, d, dtype, seed=0, **kw):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    T = layout.total_tokens
-    q, k, v = (torch.randn(T, h, d, device="cuda", dtype=dtype, generator=g) for h in (hq, hkv, hkv))
-    dout = torch.randn(T, hq, d, device="cuda", dtype=dtype, generator=g)
-    ours = grads(layout, q, k, v, dout, "triton", **kw)
-    ref_lp = grads(layout, q, k, v, dout, "reference", **kw)
-    ref64 = grads(layout, *(t.double() for t in (q, k, v, dout)), "reference", **kw)
-    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, ref_lp, ref64):
-        assert torch.isfinite(a).all(), name
-        err, ref_err = (a.double() - r).abs().max().item(), (b.double() - r).abs().max().item()
-        assert err <= 2 * ref_err + 1e-4 * (1 + r.abs().max().item()), f"{name}: {err:.3e} vs reference {ref_err:.3e}"
 
 
 def test_deterministic_gradients_are_bitwise_equal():

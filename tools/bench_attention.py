@@ -1,4 +1,4 @@
-"""DualKV attention benchmark: our Triton kernels vs FlexAttention (same mask, packed layout) vs
+"""DualKV attention benchmark: our kernels (default backend, and the Triton kernels alone) vs FlexAttention (same mask, packed layout) vs
 PyTorch SDPA (cuDNN / flash / memory-efficient) on the replicated layout.
 
 For each workload: median forward and forward+backward time, useful TFLOP/s (only the (query,
@@ -53,7 +53,8 @@ TUNING_WORKLOADS = [
     Workload("tune-d256-4x8192x1024", 4, 8192, 1024, 16, 8, 256),
     Workload("tune-d512-4x4096x1024", 4, 4096, 1024, 32, 16, 512),
 ]
-METHODS = ["dualkv", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+# "dualkv": the default backend (Triton, native sm_90 backward where it applies); "dualkv_triton": Triton only
+METHODS = ["dualkv", "dualkv_triton", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
 
 
 def bench(fn, grad_to_none=None) -> float:
@@ -82,9 +83,10 @@ def inputs(w: Workload, dtype=torch.bfloat16):
 
 def method_fn(method: str, w: Workload, layout: DualKVLayout, q, k, v):
     """(callable that returns the output, leaf tensors to differentiate). Setup is not timed."""
-    if method == "dualkv":
+    if method in ("dualkv", "dualkv_triton"):
+        backend = "auto" if method == "dualkv" else "triton"
         x = [t.clone().requires_grad_() for t in (q, k, v)]
-        return (lambda: dualkv_attn_func(*x, layout, window_size=w.window, backend="triton")), x
+        return (lambda: dualkv_attn_func(*x, layout, window_size=w.window, backend=backend)), x
     if method == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -49,6 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import DualKVLayout
 from .checks import check_attention_inputs
+from .dualkv_attn_sm90 import NATIVE_BLOCK_M, NATIVE_BLOCK_N, dkdv_dq_sm90, native_backward_supported
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # larger than any position: "window" that never masks
@@ -527,8 +528,14 @@ def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> Option
     return next(cfg for max_d, cfg in GPU_CONFIGS[pass_name] if head_dim <= max_d)
 
 
-def backward_plan(head_dim: int, device: torch.device, deterministic: bool):
+# the native sm_90 dK/dV pass with fused dQ (dualkv_attn_sm90.py): its blocks shape the tables
+NATIVE_DKDV_DQ = KernelConfig(NATIVE_BLOCK_M, NATIVE_BLOCK_N, num_warps=12, num_stages=2)
+
+
+def backward_plan(head_dim: int, device: torch.device, deterministic: bool, native: bool = False):
     """(config of the separate dQ pass, or None when the dK/dV pass accumulates dQ; dK/dV config)."""
+    if native:
+        return None, NATIVE_DKDV_DQ
     fused = None if deterministic else kernel_config("dkdv_dq", head_dim, device)
     if fused is not None:
         return None, fused
@@ -644,10 +651,11 @@ class KernelTables:
 
 
 @torch.compiler.disable
-def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False) -> KernelTables:
+def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
+                  native: bool = False) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
     fwd = kernel_config("fwd", head_dim, layout.device)
-    dq, dkdv = backward_plan(head_dim, layout.device, deterministic)
+    dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
     fwd_tiles = query_tiles(layout, fwd.block_m)
     dq_tiles = query_tiles(layout, dq.block_m) if dq else fwd_tiles  # no dQ pass: a placeholder, not read
@@ -679,11 +687,11 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
 
 
 def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, positions, sm_scale: float,
-         window_size: Optional[int], softcap: Optional[float], deterministic: bool):
+         window_size: Optional[int], softcap: Optional[float], deterministic: bool, native: bool):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
-    dq_cfg, kv_cfg = backward_plan(D, q.device, deterministic)
+    dq_cfg, kv_cfg = backward_plan(D, q.device, deterministic, native)
     common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D)
     scalars = (sm_scale, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size))
 
@@ -704,19 +712,22 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
         )
     else:
         dq_acc = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
-    tma_dq = atomic_dq and _has_tma(q.device) and BLOCK_D <= TMA_MAX_BOX
-    dq_target = TensorDescriptor.from_tensor(dq_acc, [kv_cfg.block_m, 1, BLOCK_D]) if tma_dq else dq_acc
-    tma, q_boxes, do_boxes = _streamed(kv_cfg, kv_cfg.block_m, q, do)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
-    _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
-        q, k, v, do, q_boxes, do_boxes, dk, dv, dq_target, lse, delta, positions, kv_items, partial_dk, partial_dv, q.stride(0),
-        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0),
-        dk.stride(1), dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv,
-        BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=atomic_dq, TMA_DQ=tma_dq, TMA_LOADS=tma,
-        num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common,
-    )
+    if native:
+        dkdv_dq_sm90(q, k, v, do, lse, delta, kv_items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale)
+    else:
+        tma_dq = atomic_dq and _has_tma(q.device) and BLOCK_D <= TMA_MAX_BOX
+        dq_target = TensorDescriptor.from_tensor(dq_acc, [kv_cfg.block_m, 1, BLOCK_D]) if tma_dq else dq_acc
+        tma, q_boxes, do_boxes = _streamed(kv_cfg, kv_cfg.block_m, q, do)
+        _bwd_dkdv_kernel[(kv_items.shape[0] * Hkv,)](
+            q, k, v, do, q_boxes, do_boxes, dk, dv, dq_target, lse, delta, positions, kv_items, partial_dk, partial_dv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), T, *scalars, NUM_KV_HEADS=Hkv, GROUP=Hq // Hkv,
+            BLOCK_M=kv_cfg.block_m, BLOCK_N=kv_cfg.block_n, FUSE_DQ=atomic_dq, TMA_DQ=tma_dq, TMA_LOADS=tma,
+            num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common,
+        )
     if kv_reduce.shape[0]:
         _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv,)](
             partial_dk, partial_dv, dk, dv, kv_reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
@@ -733,14 +744,14 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
 def dualkv_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd_tiles: torch.Tensor,
                        dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor, num_slots: int,
                        positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
-                       softcap: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward's tables and mode ride along for autograd."""
+                       softcap: Optional[float], deterministic: bool, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward's tables and plan ride along for autograd."""
     return _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap)
 
 
 @dualkv_attn_fwd_op.register_fake
 def _(q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap,
-      deterministic):
+      deterministic, native):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -748,17 +759,18 @@ def _(q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, s
 def dualkv_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor,
                        num_slots: int, positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
-                       softcap: Optional[float], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       softcap: Optional[float], deterministic: bool,
+                       native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv. dK/dV chunk partials are always reduced in a fixed order; dQ comes from its own
     pass, or, where ``GPU_CONFIGS["dkdv_dq"]`` has a config and not ``deterministic``, from fp32
-    atomics in the dK/dV pass."""
+    atomics in the dK/dV pass; ``native``: the sm_90 dK/dV pass with fused dQ (dualkv_attn_sm90.py)."""
     return _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
-                softcap, deterministic)
+                softcap, deterministic, native)
 
 
 @dualkv_attn_bwd_op.register_fake
 def _(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap,
-      deterministic):
+      deterministic, native):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -767,14 +779,14 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions)
     ctx.num_slots = num_slots
-    ctx.args = args  # sm_scale, window_size, softcap, deterministic
+    ctx.args = args  # sm_scale, window_size, softcap, deterministic, native
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions = ctx.saved_tensors
     dq, dk, dv = dualkv_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, dq_tiles, kv_items, kv_reduce,
                                     ctx.num_slots, positions, *ctx.args)
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * 11
 
 
 dualkv_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -782,18 +794,23 @@ dualkv_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DualKVLayout,
                        softmax_scale: Optional[float] = None, window_size: Optional[int] = None,
-                       softcap: Optional[float] = None, deterministic: bool = False) -> torch.Tensor:
+                       softcap: Optional[float] = None, deterministic: bool = False,
+                       native_backward: bool = False) -> torch.Tensor:
     """Fused DualKV attention. q (T, Hq, D), k/v (T, Hkv, D), D <= 512 -> (T, Hq, D).
 
     ``deterministic=True`` makes gradients bitwise reproducible: dQ always in its own pass, never
     with fp32 atomics (which the default uses where they measured faster: ``GPU_CONFIGS["dkdv_dq"]``).
+    ``native_backward``: use the native sm_90 dK/dV+dQ pass where it covers the call
+    (``dualkv_attn_sm90.native_backward_supported``); the forward is always Triton.
     """
     sm_scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
     if q.shape[2] > 512:
         raise ValueError(f"the Triton DualKV kernels support head_dim <= 512, got {q.shape[2]}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     layout = layout.to(q.device)
-    t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic))
+    native = native_backward and native_backward_supported(q, k, v, window_size, softcap, deterministic)
+    t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native)
     out, _ = dualkv_attn_fwd_op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions,
-                                sm_scale, window_size, None if softcap is None else float(softcap), bool(deterministic))
+                                sm_scale, window_size, None if softcap is None else float(softcap), bool(deterministic),
+                                native)
     return out

@@ -1,0 +1,31 @@
+// Host interface of the native Hopper (sm_90a) DualKV kernels: plain pointers and sizes, so the
+// CUDA sources compile without torch headers and the torch binding compiles without nvcc.
+#pragma once
+#include <cstdint>
+
+namespace dualkv_sm90 {
+
+// dK/dV pass with fused dQ, head dim 128. Tensors are (T, H, 128) with unit last stride; strides
+// in elements. One program per (items row, key/value head): items (n_items, 5) int32 rows
+// (k_start, k_end, q_lo, q_hi, slot) as built by megatron_dualkv.ops.dualkv_attn.key_items with
+// 128-key tiles and 64-query blocks.
+struct DkdvArgs {
+  const void* q; const void* k; const void* v; const void* dout;
+  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, do_stride_t, do_stride_h;
+  const float* lse;    // (Hq, T), log2 units
+  const float* delta;  // (Hq, T)
+  const int32_t* items;
+  int n_items;
+  void* dk; void* dv;  // (T, Hkv, 128), written where slot < 0
+  int64_t dk_stride_t, dk_stride_h, dv_stride_t, dv_stride_h;
+  float* partial_dk; float* partial_dv;  // (slots * 128, Hkv, 128) fp32, written where slot >= 0
+  float* dq_acc;                        // (T, Hq, 128) fp32, zeroed by the caller; receives sum_j dx_ij k_j
+  int T, num_heads, num_kv_heads;
+  float sm_scale;      // applied to dK here; dQ is scaled by the caller
+  float scale_log2;    // sm_scale * log2(e)
+  bool fp16;           // else bf16
+};
+
+void dkdv_dq(const DkdvArgs& args, void* stream);
+
+}  // namespace dualkv_sm90

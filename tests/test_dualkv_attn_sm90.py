@@ -1,0 +1,56 @@
+"""Native sm_90 backward (csrc/dualkv_bwd_sm90.cu): on a Hopper GPU, the default backend's
+gradients within 2x the error of the same-precision PyTorch reference, on fuzzed and edge layouts;
+elsewhere, that it is never chosen."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_dualkv import DualKVLayout, pack_groups
+from megatron_dualkv.ops.dualkv_attn_sm90 import native_backward_supported
+from flash_check import check_flash_style
+from strategies import rollout_groups
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                            reason="needs an sm_90 GPU")
+
+
+def tensors(d=128, dtype=torch.bfloat16, device="cpu", heads=(8, 2)):
+    return [torch.zeros(64, h, d, dtype=dtype, device=device) for h in (heads[0], heads[1], heads[1])]
+
+
+def test_not_chosen_off_hopper_or_outside_its_cases():
+    assert not native_backward_supported(*tensors(), None, None, False)
+    if torch.cuda.is_available():
+        cuda = tensors(device="cuda")
+        assert not native_backward_supported(*tensors(64, device="cuda"), None, None, False)
+        assert not native_backward_supported(*tensors(dtype=torch.float32, device="cuda"), None, None, False)
+        assert not native_backward_supported(*cuda, 100, None, False)
+        assert not native_backward_supported(*cuda, None, 30.0, False)
+        assert not native_backward_supported(*cuda, None, None, True)
+
+
+@hopper
+def test_chosen_on_hopper():
+    assert native_backward_supported(*tensors(device="cuda"), None, None, False)
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)])
+def test_edge_layouts(dtype, heads):
+    # P and R of 1, a prompt split into query chunks (fp32 partials), partial 128-key tiles, padding
+    layout = DualKVLayout((1, 3000, 130), ((1, 1, 5), (500,) * 6, (127, 1, 129, 64)), pad_len=7).to("cuda")
+    check_flash_style(layout, *heads, 128, dtype, backend="auto")
+
+
+@hopper
+@given(
+    rollout_groups(max_groups=5, max_prompt=900, max_responses=8, max_response=300),
+    st.sampled_from([(8, 2), (4, 4), (6, 1), (16, 2)]),
+    st.sampled_from([torch.bfloat16, torch.float16]),
+)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_fuzzed_layouts(groups, heads, dtype):
+    layout = pack_groups(groups, pad_to_multiple_of=8).layout.to("cuda")
+    check_flash_style(layout, *heads, 128, dtype, backend="auto")
