@@ -7,10 +7,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_dualkv", "megatron_dualkv.*"]) + ["megatron_dualkv.cards"],
-    # The model cards live in the top-level models/ folder and ship as megatron_dualkv.cards.
-    package_dir={"megatron_dualkv.cards": "models"},
-    package_data={"megatron_dualkv.cards": ["*.json"]},
+    packages=find_packages(include=["megatron_dualkv", "megatron_dualkv.*"]) + ["megatron_dualkv.cards", "megatron_dualkv.csrc"],
+    # The model cards live in the top-level models/ folder and ship as megatron_dualkv.cards; the
+    # native kernels' sources (csrc/, compiled on first use on a Hopper GPU) as megatron_dualkv.csrc.
+    package_dir={"megatron_dualkv.cards": "models", "megatron_dualkv.csrc": "csrc"},
+    package_data={"megatron_dualkv.cards": ["*.json"], "megatron_dualkv.csrc": ["*.cu", "*.cuh", "*.cpp", "*.h"]},
     # torch is left unpinned so GPU clusters keep their own build; on a CPU machine install the CPU
     # wheel first (README), or pip would pull a multi-GB CUDA build.
     # safetensors, tqdm: checkpoint conversion; psutil: Megatron's dist-checkpoint writer (save_model)

@@ -1,4 +1,4 @@
-// torch binding of the native Hopper DualKV kernels (csrc/dualkv_bwd_sm90.cu).
+// torch binding of the native Hopper DualKV kernels (csrc/dualkv_fwd_sm90.cu, csrc/dualkv_bwd_sm90.cu).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -10,6 +10,23 @@ namespace {
 void check_heads(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.dim() == 3 && t.size(2) == 128 && t.stride(2) == 1, name,
               " must be a CUDA (T, H, 128) tensor with unit last stride, got ", t.sizes(), " strides ", t.strides());
+}
+
+// q's dtype (bf16 or fp16), shared by every tensor of `same`
+void check_dtype(const at::Tensor& q, std::initializer_list<const at::Tensor*> same, const char* names) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "q must be bfloat16 or float16, got ", dtype);
+  for (const auto* t : same) TORCH_CHECK(t->scalar_type() == dtype, names, " must share one dtype");
+}
+
+void check_table(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 2 && t.size(1) == 5 && t.is_contiguous(), name,
+              " must be a contiguous CUDA (n, 5) int32 tensor");
+}
+
+dualkv_sm90::QKV qkv_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return {q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+          v.stride(1)};
 }
 
 void check_fp32(const at::Tensor& t, const char* name) {
@@ -28,11 +45,8 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   check_heads(dk, "dk");
   check_heads(dv, "dv");
   for (const auto* t : {&lse, &delta, &partial_dk, &partial_dv, &dq_acc}) check_fp32(*t, "lse, delta, partials and dq_acc");
-  const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "q must be bfloat16 or float16, got ", dtype);
-  for (const auto* t : {&k, &v, &dout, &dk, &dv}) TORCH_CHECK(t->scalar_type() == dtype, "q, k, v, dout, dk, dv must share one dtype");
-  TORCH_CHECK(items.is_cuda() && items.scalar_type() == at::kInt && items.dim() == 2 && items.size(1) == 5 &&
-                  items.is_contiguous(), "items must be a contiguous CUDA (n, 5) int32 tensor");
+  check_dtype(q, {&k, &v, &dout, &dk, &dv}, "q, k, v, dout, dk, dv");
+  check_table(items, "items");
   const int T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
   TORCH_CHECK(k.size(0) == T && v.sizes() == k.sizes() && dout.sizes() == q.sizes() && Hq % Hkv == 0,
               "shapes: q/dout (T, Hq, 128), k/v (T, Hkv, 128) with Hkv dividing Hq");
@@ -41,13 +55,8 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 
   const c10::cuda::CUDAGuard guard(q.device());
   dualkv_sm90::DkdvArgs a{};
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
+  a.qkv = qkv_of(q, k, v);
   a.dout = dout.data_ptr();
-  a.q_stride_t = q.stride(0), a.q_stride_h = q.stride(1);
-  a.k_stride_t = k.stride(0), a.k_stride_h = k.stride(1);
-  a.v_stride_t = v.stride(0), a.v_stride_h = v.stride(1);
   a.do_stride_t = dout.stride(0), a.do_stride_h = dout.stride(1);
   a.lse = lse.data_ptr<float>();
   a.delta = delta.data_ptr<float>();
@@ -63,12 +72,40 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
   a.sm_scale = float(sm_scale);
   a.scale_log2 = float(sm_scale * 1.4426950408889634);
-  a.fp16 = dtype == at::kHalf;
+  a.fp16 = q.scalar_type() == at::kHalf;
   dualkv_sm90::dkdv_dq(a, c10::cuda::getCurrentCUDAStream().stream());
+}
+
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
+         const at::Tensor& lse, double sm_scale) {
+  check_heads(q, "q");
+  check_heads(k, "k");
+  check_heads(v, "v");
+  check_heads(out, "out");
+  check_fp32(lse, "lse");
+  check_dtype(q, {&k, &v, &out}, "q, k, v, out");
+  check_table(tiles, "tiles");
+  const int T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
+  TORCH_CHECK(k.size(0) == T && v.sizes() == k.sizes() && out.sizes() == q.sizes() && Hq % Hkv == 0 &&
+                  lse.numel() == int64_t(Hq) * T, "shapes: q/out (T, Hq, 128), k/v (T, Hkv, 128), lse (Hq, T)");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  dualkv_sm90::FwdArgs a{};
+  a.qkv = qkv_of(q, k, v);
+  a.tiles = tiles.data_ptr<int32_t>();
+  a.n_tiles = tiles.size(0);
+  a.out = out.data_ptr();
+  a.out_stride_t = out.stride(0), a.out_stride_h = out.stride(1);
+  a.lse = lse.data_ptr<float>();
+  a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
+  a.scale_log2 = float(sm_scale * 1.4426950408889634);
+  a.fp16 = q.scalar_type() == at::kHalf;
+  dualkv_sm90::fwd(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fwd", &fwd, "DualKV forward, head dim 128, sm_90a");
   m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128, sm_90a");
 }

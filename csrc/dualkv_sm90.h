@@ -5,13 +5,37 @@
 
 namespace dualkv_sm90 {
 
+// q (T, Hq, 128), k and v (T, Hkv, 128): base pointers and element strides of the token and head dims
+struct QKV {
+  const void* q; const void* k; const void* v;
+  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
+};
+
+// Forward, head dim 128. One program per (tiles row, query head): tiles (n_tiles, 5) int32 rows
+// (q_start, q_end, seg_start, prefix_start, prefix_len) as built by
+// megatron_dualkv.ops.dualkv_attn.query_tiles with 128-row tiles.
+struct FwdArgs {
+  QKV qkv;
+  const int32_t* tiles;
+  int n_tiles;
+  void* out;  // (T, Hq, 128)
+  int64_t out_stride_t, out_stride_h;
+  float* lse;  // (Hq, T), log2 units
+  int T, num_heads, num_kv_heads;
+  float scale_log2;  // softmax scale * log2(e)
+  bool fp16;         // else bf16
+};
+
+void fwd(const FwdArgs& args, void* stream);
+
 // dK/dV pass with fused dQ, head dim 128. Tensors are (T, H, 128) with unit last stride; strides
 // in elements. One program per (items row, key/value head): items (n_items, 5) int32 rows
 // (k_start, k_end, q_lo, q_hi, slot) as built by megatron_dualkv.ops.dualkv_attn.key_items with
 // 128-key tiles and 64-query blocks.
 struct DkdvArgs {
-  const void* q; const void* k; const void* v; const void* dout;
-  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, do_stride_t, do_stride_h;
+  QKV qkv;
+  const void* dout;
+  int64_t do_stride_t, do_stride_h;
   const float* lse;    // (Hq, T), log2 units
   const float* delta;  // (Hq, T)
   const int32_t* items;

@@ -10,8 +10,8 @@ from .layout import DualKVLayout
 from .ops.checks import check_attention_inputs
 from .ops.reference import dualkv_attention_reference
 
-# "auto": the fastest kernels on the device (Triton, with the native sm_90 backward where it
-# applies), the float64-exact reference off GPU; "triton": the portable Triton kernels only
+# "auto": the fastest kernels on the device (the native sm_90 kernels where they apply, else
+# Triton), the float64-exact reference off GPU; "triton": the portable Triton kernels only
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -54,8 +54,8 @@ def dualkv_attn_func(
     Response queries see their group's whole prompt and their own response (causal); prompt
     queries see their prompt (causal). ``window_size`` is a left window in logical positions,
     ``softcap`` caps scores with ``softcap * tanh(s / softcap)``. ``deterministic`` makes the
-    kernels' gradients bitwise reproducible. ``backend``: "auto" (on GPU the Triton kernels, with
-    the native sm_90 backward where it applies; the reference otherwise), "triton" (the Triton
+    kernels' gradients bitwise reproducible. ``backend``: "auto" (on GPU the native sm_90 kernels
+    where they apply, else the Triton kernels; the reference off GPU), "triton" (the Triton
     kernels only) or "reference".
     """
     check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
@@ -64,4 +64,4 @@ def dualkv_attn_func(
     from .ops.dualkv_attn import dualkv_attn_triton
 
     return dualkv_attn_triton(q, k, v, layout, softmax_scale, window_size, softcap, deterministic,
-                              native_backward=backend == "auto")
+                              native=backend == "auto")

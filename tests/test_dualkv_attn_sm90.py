@@ -1,5 +1,5 @@
-"""Native sm_90 backward (csrc/dualkv_bwd_sm90.cu): on a Hopper GPU, the default backend's
-gradients within 2x the error of the same-precision PyTorch reference, on fuzzed and edge layouts;
+"""Native sm_90 kernels (csrc/dualkv_{fwd,bwd}_sm90.cu): on a Hopper GPU, the default backend's
+outputs and gradients within 2x the error of the same-precision PyTorch reference, on fuzzed and edge layouts;
 elsewhere, that it is never chosen."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv import DualKVLayout, pack_groups
-from megatron_dualkv.ops.dualkv_attn_sm90 import native_backward_supported
+from megatron_dualkv.ops.dualkv_attn_sm90 import native_supported
 from flash_check import check_flash_style
 from strategies import rollout_groups
 
@@ -20,19 +20,19 @@ def tensors(d=128, dtype=torch.bfloat16, device="cpu", heads=(8, 2)):
 
 
 def test_not_chosen_off_hopper_or_outside_its_cases():
-    assert not native_backward_supported(*tensors(), None, None, False)
+    assert not native_supported(*tensors(), None, None, False)
     if torch.cuda.is_available():
         cuda = tensors(device="cuda")
-        assert not native_backward_supported(*tensors(64, device="cuda"), None, None, False)
-        assert not native_backward_supported(*tensors(dtype=torch.float32, device="cuda"), None, None, False)
-        assert not native_backward_supported(*cuda, 100, None, False)
-        assert not native_backward_supported(*cuda, None, 30.0, False)
-        assert not native_backward_supported(*cuda, None, None, True)
+        assert not native_supported(*tensors(64, device="cuda"), None, None, False)
+        assert not native_supported(*tensors(dtype=torch.float32, device="cuda"), None, None, False)
+        assert not native_supported(*cuda, 100, None, False)
+        assert not native_supported(*cuda, None, 30.0, False)
+        assert not native_supported(*cuda, None, None, True)
 
 
 @hopper
 def test_chosen_on_hopper():
-    assert native_backward_supported(*tensors(device="cuda"), None, None, False)
+    assert native_supported(*tensors(device="cuda"), None, None, False)
 
 
 @hopper

@@ -53,7 +53,7 @@ TUNING_WORKLOADS = [
     Workload("tune-d256-4x8192x1024", 4, 8192, 1024, 16, 8, 256),
     Workload("tune-d512-4x4096x1024", 4, 4096, 1024, 32, 16, 512),
 ]
-# "dualkv": the default backend (Triton, native sm_90 backward where it applies); "dualkv_triton": Triton only
+# "dualkv": the default backend (native sm_90 kernels where they apply, else Triton); "dualkv_triton": Triton only
 METHODS = ["dualkv", "dualkv_triton", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
 
 

@@ -7,12 +7,13 @@ The folder ships inside the package as ``megatron_dualkv.cards`` (see setup.py).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Union
+
+from .._resources import resource_dir
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,7 @@ class ModelCard:
 
 def cards_dir() -> Path:
     """The installed ``megatron_dualkv.cards`` package, or ``models/`` of a source checkout that was not installed."""
-    spec = importlib.util.find_spec("megatron_dualkv.cards")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    return Path(__file__).resolve().parents[2] / "models"
+    return resource_dir("megatron_dualkv.cards", "models")
 
 
 def available_cards() -> List[str]:

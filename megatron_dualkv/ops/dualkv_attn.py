@@ -49,7 +49,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import DualKVLayout
 from .checks import check_attention_inputs
-from .dualkv_attn_sm90 import NATIVE_BLOCK_M, NATIVE_BLOCK_N, dkdv_dq_sm90, native_backward_supported
+from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, dkdv_dq_sm90, fwd_sm90,
+                               native_supported)
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # larger than any position: "window" that never masks
@@ -528,7 +529,8 @@ def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> Option
     return next(cfg for max_d, cfg in GPU_CONFIGS[pass_name] if head_dim <= max_d)
 
 
-# the native sm_90 dK/dV pass with fused dQ (dualkv_attn_sm90.py): its blocks shape the tables
+# the native sm_90 kernels (dualkv_attn_sm90.py): their blocks shape the tables
+NATIVE_FWD = KernelConfig(NATIVE_FWD_BLOCK_M, 128, num_warps=12, num_stages=2)
 NATIVE_DKDV_DQ = KernelConfig(NATIVE_BLOCK_M, NATIVE_BLOCK_N, num_warps=12, num_stages=2)
 
 
@@ -654,7 +656,7 @@ class KernelTables:
 def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
                   native: bool = False) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
-    fwd = kernel_config("fwd", head_dim, layout.device)
+    fwd = NATIVE_FWD if native else kernel_config("fwd", head_dim, layout.device)
     dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
     fwd_tiles = query_tiles(layout, fwd.block_m)
@@ -670,11 +672,14 @@ def _softcap_log2(softcap: Optional[float]) -> float:
     return 0.0 if softcap is None else float(softcap) * LOG2E
 
 
-def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: Optional[float]):
+def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: Optional[float], native: bool):
     T, Hq, D = q.shape
-    cfg = kernel_config("fwd", D, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
+    if native:
+        fwd_sm90(q, k, v, tiles, out, lse, sm_scale)
+        return out, lse
+    cfg = kernel_config("fwd", D, q.device)
     tma, k_boxes, v_boxes = _streamed(cfg, cfg.block_n, k, v)
     _fwd_kernel[(tiles.shape[0] * Hq,)](
         q, k, v, k_boxes, v_boxes, out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
@@ -745,8 +750,9 @@ def dualkv_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd_ti
                        dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor, num_slots: int,
                        positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
                        softcap: Optional[float], deterministic: bool, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward's tables and plan ride along for autograd."""
-    return _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap)
+    """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward's tables and plan ride along
+    for autograd. ``native``: the sm_90 kernels (dualkv_attn_sm90.py) for both passes."""
+    return _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap, native)
 
 
 @dualkv_attn_fwd_op.register_fake
@@ -795,20 +801,20 @@ dualkv_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DualKVLayout,
                        softmax_scale: Optional[float] = None, window_size: Optional[int] = None,
                        softcap: Optional[float] = None, deterministic: bool = False,
-                       native_backward: bool = False) -> torch.Tensor:
+                       native: bool = False) -> torch.Tensor:
     """Fused DualKV attention. q (T, Hq, D), k/v (T, Hkv, D), D <= 512 -> (T, Hq, D).
 
     ``deterministic=True`` makes gradients bitwise reproducible: dQ always in its own pass, never
     with fp32 atomics (which the default uses where they measured faster: ``GPU_CONFIGS["dkdv_dq"]``).
-    ``native_backward``: use the native sm_90 dK/dV+dQ pass where it covers the call
-    (``dualkv_attn_sm90.native_backward_supported``); the forward is always Triton.
+    ``native``: run the native sm_90 kernels instead where they cover the call
+    (``dualkv_attn_sm90.native_supported``).
     """
     sm_scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
     if q.shape[2] > 512:
         raise ValueError(f"the Triton DualKV kernels support head_dim <= 512, got {q.shape[2]}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     layout = layout.to(q.device)
-    native = native_backward and native_backward_supported(q, k, v, window_size, softcap, deterministic)
+    native = native and native_supported(q, k, v, window_size, softcap, deterministic)
     t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native)
     out, _ = dualkv_attn_fwd_op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions,
                                 sm_scale, window_size, None if softcap is None else float(softcap), bool(deterministic),

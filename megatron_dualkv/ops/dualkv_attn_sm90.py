@@ -1,30 +1,36 @@
-"""Native Hopper backward of DualKV attention: ``csrc/dualkv_bwd_sm90.cu``, built on first use.
+"""Native Hopper kernels of DualKV attention: ``csrc/dualkv_{fwd,bwd}_sm90.cu``, built on first use.
 
 The Triton kernels (``dualkv_attn.py``) are the portable backend. On an sm_90 GPU the default
-backend replaces their backward, for the case where it measured faster, with one native pass:
-dK/dV per 128-key tile with dQ accumulated in the same pass (5 matmuls per block pair instead of
-the Triton plan's 7), on wgmma instructions fed by TMA, producer and consumer warpgroups. The
-pass reads the same work tables (``key_items``, built with ``NATIVE_BLOCK_N`` keys and
-``NATIVE_BLOCK_M`` queries) and writes the same fp32 chunk partials, reduced by the Triton
-reduction kernel.
+backend runs, where they apply, two native kernels on wgmma instructions fed by TMA (a producer
+warpgroup and two consumer warpgroups):
+
+* the forward, one program per (128-row query tile, query head), reading the Triton forward's
+  tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M`` rows);
+* the backward as ONE pass: dK/dV per 128-key tile with dQ accumulated in the same pass (5
+  matmuls per block pair instead of the Triton plan's 7) through TMA bulk reductions, reading the
+  dK/dV tables (``key_items`` with ``NATIVE_BLOCK_N`` keys and ``NATIVE_BLOCK_M`` queries) and
+  writing the same fp32 chunk partials, reduced by the Triton reduction kernel.
 
 Covered: head dim 128, bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is added
-with fp32 atomics), 16-byte aligned tensors (TMA). Everything else stays on Triton.
+with fp32 reductions in whatever order they land), 16-byte aligned tensors (TMA). Everything
+else stays on Triton.
 """
 from __future__ import annotations
 
 import functools
 import os
 import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .._resources import resource_dir
+
 NATIVE_HEAD_DIM = 128
-NATIVE_BLOCK_M = 64  # queries per step
-NATIVE_BLOCK_N = 128  # keys per program
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+NATIVE_FWD_BLOCK_M = 128  # forward: query rows per program
+NATIVE_BLOCK_M = 64  # backward: queries per step
+NATIVE_BLOCK_N = 128  # backward: keys per program
+CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 
 @functools.cache
@@ -35,11 +41,12 @@ def _extension():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="dualkv_sm90", sources=[str(CSRC / "dualkv_sm90.cpp"), str(CSRC / "dualkv_bwd_sm90.cu")],
+        sources = [str(CSRC / name) for name in ("dualkv_sm90.cpp", "dualkv_fwd_sm90.cu", "dualkv_bwd_sm90.cu")]
+        return load(name="dualkv_sm90", sources=sources,
                     extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
                     extra_cflags=["-O3", "-std=c++17"])
     except Exception as exc:  # no nvcc, no sources in this install, a compiler error
-        warnings.warn(f"DualKV: the native sm_90 backward could not be built ({exc}); using the Triton backward",
+        warnings.warn(f"DualKV: the native sm_90 kernels could not be built ({exc}); using the Triton kernels",
                       stacklevel=3)
         return None
 
@@ -48,9 +55,9 @@ def _tma_ready(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
-def native_backward_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size: Optional[int],
-                              softcap: Optional[float], deterministic: bool) -> bool:
-    """Whether the native pass covers this call (then the extension is built or loaded)."""
+def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size: Optional[int],
+                     softcap: Optional[float], deterministic: bool) -> bool:
+    """Whether the native kernels cover this call (then the extension is built or loaded)."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     if q.shape[2] != NATIVE_HEAD_DIM or q.dtype not in (torch.bfloat16, torch.float16):
@@ -60,6 +67,13 @@ def native_backward_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not all(t.stride(-1) == 1 and _tma_ready(t) for t in (q, k, v)) or not CSRC.is_dir():
         return False
     return _extension() is not None
+
+
+def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float) -> None:
+    """Native forward. q (T, Hq, 128); k, v (T, Hkv, 128); tiles (n, 5) int32 from
+    ``query_tiles(layout, NATIVE_FWD_BLOCK_M)``. Writes out (T, Hq, 128) and lse (Hq, T) fp32 in
+    log2 units."""
+    _extension().fwd(q, k, v, tiles, out, lse, sm_scale)
 
 
 def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale: float) -> None:

@@ -1,0 +1,213 @@
+// Native Hopper (sm_90a) forward of DualKV attention for head dim 128, on wgmma instructions fed
+// by TMA.
+//
+// One CTA per (query tile of 128 rows inside one segment, query head): the tables of the Triton
+// forward (megatron_dualkv/ops/dualkv_attn.py, query_tiles with 128-row tiles). Warpgroup 0 is
+// the producer: one warp streams K/V blocks of 128 keys into a 2-stage ring, first the group's
+// prompt (every key visible; the last block is cut at the prompt's end), then the tile's own
+// segment up to the tile's end (causal). Warpgroups 1 and 2 own 64 query rows each and keep
+// flash-attention 2's online softmax in registers (log2 units, scale_log2 = softmax scale * log2 e):
+//     S = Q_w K^T (64 x 128, wgmma from shared memory)
+//     m' = max(m, rowmax S * scale_log2),  P = 2^(S * scale_log2 - m')
+//     l = l 2^(m - m') + rowsum P,  O = O 2^(m - m') + P V   (P V: P stays in registers as the
+//                                                              A operand)
+//     at the end O /= l and lse = m + log2 l, as the Triton forward stores it.
+// The consumer warpgroups are not synchronized with each other, so one's softmax overlaps the
+// other's matmuls on the tensor cores.
+#include "dualkv_sm90.h"
+#include "sm90_ptx.cuh"
+
+namespace dualkv_sm90 {
+namespace {
+
+constexpr int BLOCK_M = 128;  // query rows per CTA: two consumer warpgroups of 64
+constexpr int BLOCK_N = 128;  // keys per step
+constexpr int STAGES = 2;
+constexpr int THREADS = 384;
+
+struct alignas(1024) SharedStorage {
+  uint8_t q[PANELS][BLOCK_M * ROW_BYTES];
+  uint8_t k[STAGES][PANELS][BLOCK_N * ROW_BYTES];
+  uint8_t v[STAGES][PANELS][BLOCK_N * ROW_BYTES];
+  uint64_t q_full;
+  uint64_t full[STAGES];
+  uint64_t empty[STAGES];
+};
+constexpr int SMEM_BYTES = sizeof(SharedStorage) + 1024;  // + room to align the dynamic base
+
+struct KernelParams {
+  const int32_t* tiles;
+  void* out;
+  int64_t out_stride_t, out_stride_h;
+  float* lse;
+  int T, num_heads, group;
+  float scale_log2;
+};
+
+// Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
+// (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e).
+template <typename T>
+__global__ void __launch_bounds__(THREADS, 1)
+    fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+               const __grid_constant__ CUtensorMap tm_v, const KernelParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  // heads vary fastest, so the heaviest tiles (tables are sorted heaviest first) start first
+  const int h = blockIdx.x % p.num_heads;
+  const int32_t* tile = p.tiles + (blockIdx.x / p.num_heads) * 5;
+  const int q_start = tile[0], q_end = tile[1], seg_start = tile[2], prefix_start = tile[3], prefix_len = tile[4];
+  const int prefix_blocks = (prefix_len + BLOCK_N - 1) / BLOCK_N;
+  const int blocks = prefix_blocks + (q_end - seg_start + BLOCK_N - 1) / BLOCK_N;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    mbar_init(&s.q_full, 1);
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], 8);  // one lane per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<24>();
+    if (threadIdx.x != 0) return;
+    const int hk = h / p.group;
+    mbar_arrive_expect_tx(&s.q_full, BLOCK_M * HEAD_DIM * sizeof(T));
+    for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.q[pnl], &tm_q, &s.q_full, 64 * pnl, h, q_start);
+    for (int b = 0; b < blocks; ++b) {
+      const int st = b % STAGES;
+      const int key0 = b < prefix_blocks ? prefix_start + b * BLOCK_N : seg_start + (b - prefix_blocks) * BLOCK_N;
+      mbar_wait(&s.empty[st], ((b / STAGES) & 1) ^ 1);
+      mbar_arrive_expect_tx(&s.full[st], 2 * BLOCK_N * HEAD_DIM * sizeof(T));
+      for (int pnl = 0; pnl < PANELS; ++pnl) {
+        tma_load(s.k[st][pnl], &tm_k, &s.full[st], 64 * pnl, hk, key0);
+        tma_load(s.v[st][pnl], &tm_v, &s.full[st], 64 * pnl, hk, key0);
+      }
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------------------- consumers
+  setmaxnreg_inc<240>();
+  const int wg = warp / 4 - 1;  // query rows [64 wg, 64 wg + 64) of the tile
+  const int wq = warp % 4;
+  const int g = lane / 4, c = lane % 4;
+  const int wg_first = q_start + 64 * wg - seg_start;  // the warpgroup's first row, as a segment index
+  const int row_index = wg_first + 16 * wq + g;        // this thread's first row (second: + 8)
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  mbar_wait(&s.q_full, 0);
+  for (int b = 0; b < blocks; ++b) {
+    const int st = b % STAGES;
+    mbar_wait(&s.full[st], (b / STAGES) & 1);
+
+    float sc[64];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+      const int pnl = kk / 4, col = (kk % 4) * 32;
+      mma_64x128_ss<T>(sc, smem_desc(s.q[pnl] + 64 * wg * ROW_BYTES + col, 16, 1024),
+                       smem_desc(s.k[st][pnl] + col, 16, 1024), kk);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(sc);
+
+    // the prompt: keys past its end are invisible; the segment: keys after the query are
+    const bool in_prefix = b < prefix_blocks;
+    const int key_index0 = (in_prefix ? b : b - prefix_blocks) * BLOCK_N;
+    if (in_prefix ? key_index0 + BLOCK_N > prefix_len : key_index0 + BLOCK_N - 1 > wg_first) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_index0 + 8 * i + 2 * c + (e & 1);
+          if (in_prefix ? key >= prefix_len : key > row_index + 8 * (e >> 1)) sc[4 * i + e] = -INFINITY;
+        }
+      }
+    }
+
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) row_max[e >> 1] = fmaxf(row_max[e >> 1], sc[4 * i + e]);
+    }
+    float m_sub[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffff, row_max[r], 1));
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffff, row_max[r], 2));
+      const float m_new = fmaxf(m[r], row_max[r] * p.scale_log2);
+      // a row that has seen no visible key keeps m = -inf: subtract 0 so that P = 0, not NaN
+      m_sub[r] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = exp2_approx(m[r] - m_sub[r]);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = exp2_approx(sc[4 * i + e] * p.scale_log2 - m_sub[e >> 1]);
+        sc[4 * i + e] = x;
+        l[e >> 1] += x;
+        o[4 * i + e] *= alpha[e >> 1];
+      }
+    }
+
+    // O += P V: B = V read N-major (head dim contiguous), k-steps of 16 keys
+    uint32_t pa[32];
+    pack_fragments<T>(sc, pa);
+    mma_rs<T, BLOCK_N / 16>(o, pa, s.v[st][0], BLOCK_N * ROW_BYTES);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(pa);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage's K and V
+  }
+
+  // O / l and lse; rows past the tile (a partial last tile) are not stored
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+    const int64_t row = seg_start + row_index + 8 * r;
+    if (row >= q_end) continue;
+    const float inv = 1.f / l[r];  // every row sees at least its own key
+    T* out = static_cast<T*>(p.out) + row * p.out_stride_t + h * p.out_stride_h + 2 * c;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      *reinterpret_cast<uint32_t*>(out + 8 * i) = pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+    if (c == 0) p.lse[int64_t(h) * p.T + row] = m[r] + __log2f(l[r]);
+  }
+}
+
+template <typename T>
+void launch(const FwdArgs& a, cudaStream_t stream) {
+  const auto kernel = fwd_kernel<T>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
+  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
+  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
+  const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
+                       a.num_heads / a.num_kv_heads, a.scale_log2};
+  kernel<<<a.n_tiles * a.num_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, p);
+}
+
+}  // namespace
+
+void fwd(const FwdArgs& args, void* stream) {
+  if (args.n_tiles == 0) return;
+  launch_for_dtype(args.fp16, [&](auto t) { launch<decltype(t)>(args, static_cast<cudaStream_t>(stream)); });
+}
+
+}  // namespace dualkv_sm90

@@ -1,0 +1,263 @@
+// PTX wrappers and host helpers shared by the native Hopper (sm_90a) DualKV kernels.
+//
+// Shared-memory tiles are (rows, 64) panels of 16-bit elements (or (rows, 32) of fp32) with the
+// 128-byte swizzle, as TMA writes them: the 16-byte chunk k of row r sits at chunk k ^ (r % 8),
+// so a tile must start on a 1024-byte boundary.
+#pragma once
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+namespace dualkv_sm90 {
+
+constexpr int HEAD_DIM = 128;
+constexpr int PANELS = HEAD_DIM / 64;
+constexpr int ROW_BYTES = 128;  // one swizzled row: 64 16-bit elements
+
+// ------------------------------------------------------------------------------------ device
+#define DUALKV_ACC32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define DUALKV_ACC32_OPERANDS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define DUALKV_ACC64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define DUALKV_ACC64_OPERANDS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// ------------------------------------------------------------------------------------ PTX
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// (64 columns, 1 head, rows) box of a (T, H, D) tensor into a swizzled panel
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, uint64_t* bar, int col, int head, int row) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(col), "r"(head), "r"(row)
+      : "memory");
+}
+
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+// the two consumer warpgroups (named barrier 1; 0 is __syncthreads)
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// one consumer warpgroup (named barriers 2 and 3)
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
+}
+
+// Add a (64 rows, 1 head, 32 fp32 columns) box of shared memory onto a (T, H, 128) fp32 tensor;
+// rows past T are dropped by the copy engine
+__device__ __forceinline__ void tma_reduce_add(const void* src, const CUtensorMap* map, int col, int head, int row) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(col), "r"(head), "r"(row)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// the copy engine has read (not necessarily written) every bulk reduction this thread issued
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands ignore `leading` (the K
+// extent of one wgmma, 16 elements, stays inside a swizzled row); MN-major operands use it for
+// the distance between 64-element panels. `stride` is the distance between 8-row groups.
+__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t leading, uint32_t stride) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t((leading >> 4) & 0x3FFF) << 16) |
+         (uint64_t((stride >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keep the compiler from moving accumulator reads or writes across wgmma issue and wait, and from
+// reusing the registers of A operands that an issued wgmma still reads.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
+// D (64 x 64, fp32) (+)= A (64 x 16) B (16 x 64), both from shared memory
+template <typename T, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void mma_64x64_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DUALKV_ACC32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : DUALKV_ACC32_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DUALKV_ACC32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : DUALKV_ACC32_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+  }
+}
+
+// D (64 x 128, fp32) (+)= A (64 x 16) B (16 x 128), both K-major in shared memory
+template <typename T>
+__device__ __forceinline__ void mma_64x128_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DUALKV_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : DUALKV_ACC64_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DUALKV_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : DUALKV_ACC64_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// D (64 x 128, fp32) += A (64 x 16, registers) B (16 x 128, shared memory, N-major)
+template <typename T>
+__device__ __forceinline__ void mma_64x128_rs(float (&d)[64], const uint32_t* a, uint64_t desc_b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DUALKV_ACC64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : DUALKV_ACC64_OPERANDS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DUALKV_ACC64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : DUALKV_ACC64_OPERANDS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// A fragments of an RS wgmma from an fp32 accumulator: pair j is elements 2j, 2j+1 (same row,
+// adjacent columns), so the accumulator layout of a 64 x N wgmma is the A layout of the next one
+template <typename T, int N>
+__device__ __forceinline__ void pack_fragments(const float (&x)[2 * N], uint32_t (&a)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) a[j] = pack2<T>(x[2 * j], x[2 * j + 1]);
+}
+
+// acc (64 x 128) += A B over K_STEPS k-steps of 16: A from registers (4 per step), B read N-major
+// from 16-row steps of the swizzled panels at `b` (`panel_bytes` apart); one commit group
+template <typename T, int K_STEPS>
+__device__ __forceinline__ void mma_rs(float (&acc)[64], const uint32_t* a, const uint8_t* b, uint32_t panel_bytes) {
+  fence_regs(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < K_STEPS; ++j) mma_64x128_rs<T>(acc, a + 4 * j, smem_desc(b + j * 16 * ROW_BYTES, panel_bytes, 1024));
+  wgmma_commit();
+}
+
+// ------------------------------------------------------------------------------------ host
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      throw std::runtime_error("dualkv_sm90: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// (128 bytes of columns, 1 head, rows) boxes of a (T, H, 128) tensor, 128-byte swizzle, zero fill past T
+inline CUtensorMap head_tile_map(const void* ptr, CUtensorMapDataType dtype, int elem_bytes, int T, int H, int64_t stride_t,
+                          int64_t stride_h, int rows) {
+  CUtensorMap map;
+  cuuint64_t dims[3] = {HEAD_DIM, cuuint64_t(H), cuuint64_t(T)};
+  cuuint64_t strides[2] = {cuuint64_t(stride_h) * elem_bytes, cuuint64_t(stride_t) * elem_bytes};
+  cuuint32_t box[3] = {cuuint32_t(ROW_BYTES / elem_bytes), 1, cuuint32_t(rows)};
+  cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, dtype, 3, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("dualkv_sm90: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) +
+                             "); base and strides must be 16-byte aligned");
+  return map;
+}
+
+// call launch with a value of the element type (bf16 or fp16), then check the kernel launch
+template <typename Launch>
+void launch_for_dtype(bool fp16, Launch&& launch) {
+  if (fp16)
+    launch(__half{});
+  else
+    launch(__nv_bfloat16{});
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("dualkv_sm90: launch failed: ") + cudaGetErrorString(err));
+}
+
+}  // namespace dualkv_sm90

@@ -1,0 +1,14 @@
+"""Folders of the source tree that ship as data packages (``models/`` as ``megatron_dualkv.cards``,
+``csrc/`` as ``megatron_dualkv.csrc``; setup.py maps them)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def resource_dir(package: str, checkout_folder: str) -> Path:
+    """The installed data package, or the folder of a source checkout that was not installed."""
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parents[1] / checkout_folder
