@@ -13,7 +13,7 @@
 //     S^T  = K_w Q^T                 (64 x 64, wgmma from shared memory)
 //     dP^T = V_w dO^T
 //     P^T  = 2^(S^T * scale_log2 - lse)            masked to 0 where invisible
-//     dS^T = P^T * (dP^T - delta)
+//     dS^T = scale * P^T * (dP^T - delta)   (the softmax scale of dK and dQ, applied once here)
 //     dV_w += P^T dO,  dK_w += dS^T Q  (P^T, dS^T stay in registers as the A operands: the wgmma
 //                                       accumulator layout is the A-fragment layout)
 //     dS^T -> shared memory; both warpgroups meet at a named barrier; then warpgroup w computes
@@ -192,7 +192,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * i + e] = sc[4 * i + e] * (dp[4 * i + e] - s.delta[st][8 * i + 2 * c + (e & 1)]);
+      for (int e = 0; e < 4; ++e)
+        dp[4 * i + e] = sc[4 * i + e] * p.sm_scale * (dp[4 * i + e] - s.delta[st][8 * i + 2 * c + (e & 1)]);
     }
     // dK += dS^T Q
     uint32_t da[16];
@@ -253,13 +254,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   if (dq_issuer) bulk_wait();
 
-  // dK (scaled) and dV: rows of this warpgroup's keys, 2 adjacent columns per store
+  // dK and dV: rows of this warpgroup's keys, 2 adjacent columns per store
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = 64 * wg + 16 * wq + g + 8 * half, col = 8 * i + 2 * c;
-      const float k0 = dk[4 * i + 2 * half] * p.sm_scale, k1 = dk[4 * i + 2 * half + 1] * p.sm_scale;
+      const float k0 = dk[4 * i + 2 * half], k1 = dk[4 * i + 2 * half + 1];
       const float v0 = dv[4 * i + 2 * half], v1 = dv[4 * i + 2 * half + 1];
       if (slot < 0) {
         if (row < key_rows) {

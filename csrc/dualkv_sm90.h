@@ -43,9 +43,9 @@ struct DkdvArgs {
   void* dk; void* dv;  // (T, Hkv, 128), written where slot < 0
   int64_t dk_stride_t, dk_stride_h, dv_stride_t, dv_stride_h;
   float* partial_dk; float* partial_dv;  // (slots * 128, Hkv, 128) fp32, written where slot >= 0
-  float* dq_acc;                        // (T, Hq, 128) fp32, zeroed by the caller; receives sum_j dx_ij k_j
+  float* dq_acc;                        // (T, Hq, 128) fp32, zeroed by the caller; receives dQ (scaled)
   int T, num_heads, num_kv_heads;
-  float sm_scale;      // applied to dK here; dQ is scaled by the caller
+  float sm_scale;      // softmax scale
   float scale_log2;    // sm_scale * log2(e)
   bool fp16;           // else bf16
 };

@@ -738,7 +738,9 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
             partial_dk, partial_dv, dk, dv, kv_reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=kv_cfg.block_n,
         )
-    if atomic_dq:
+    if native:  # the native pass scales dS, so dq_acc holds dQ
+        dq = dq_acc.to(q.dtype)
+    elif atomic_dq:
         dq = (dq_acc * sm_scale).to(q.dtype)
     return dq, dk, dv
 

@@ -81,7 +81,7 @@ def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv,
 
     q, do (T, Hq, 128); k, v (T, Hkv, 128); lse, delta (Hq, T) fp32; items (n, 5) int32 from
     ``key_items(layout, NATIVE_BLOCK_N, NATIVE_BLOCK_M, ...)``. Writes dk, dv (T, Hkv, 128) rows of
-    unsplit tiles, fp32 partials (slots * 128, Hkv, 128) of split ones, and adds
-    sum_j dx_ij k_j (unscaled) to the zeroed fp32 dq_acc (T, Hq, 128).
+    unsplit tiles, fp32 partials (slots * 128, Hkv, 128) of split ones, and adds dQ (softmax scale
+    included) to the zeroed fp32 dq_acc (T, Hq, 128).
     """
     _extension().dkdv_dq(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale)
