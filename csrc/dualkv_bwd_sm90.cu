@@ -47,7 +47,6 @@ struct alignas(1024) SharedStorage {
   uint64_t full[STAGES];
   uint64_t empty[STAGES];
 };
-constexpr int SMEM_BYTES = sizeof(SharedStorage) + 1024;  // + room to align the dynamic base
 
 // ------------------------------------------------------------------------------------ kernel
 struct KernelParams {
@@ -71,7 +70,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                    const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                    const __grid_constant__ CUtensorMap tm_dq, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  SharedStorage& s = aligned_shared<SharedStorage>(smem_raw);
 
   // heads vary fastest, so the heaviest items (tables are sorted heaviest first) start first
   const int hk = blockIdx.x % p.num_kv_heads;
@@ -148,20 +147,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     // S^T = K_w Q^T and dP^T = V_w dO^T: A and B both K-major (rows of 64 head-dim elements)
     float sc[32], dp[32];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-      const int pnl = kk / 4, col = (kk % 4) * 32;
-      mma_64x64_ss<T, 0, 0>(sc, smem_desc(s.k[pnl] + 64 * wg * ROW_BYTES + col, 16, 1024),
-                            smem_desc(s.q[st][pnl] + col, 16, 1024), kk);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-      const int pnl = kk / 4, col = (kk % 4) * 32;
-      mma_64x64_ss<T, 0, 0>(dp, smem_desc(s.v[pnl] + 64 * wg * ROW_BYTES + col, 16, 1024),
-                            smem_desc(s.dout[st][pnl] + col, 16, 1024), kk);
-    }
-    wgmma_commit();
+    mma_ss_head_dim<T>(sc, s.k[0] + 64 * wg * ROW_BYTES, sizeof(s.k[0]), s.q[st][0], sizeof(s.q[st][0]));
+    mma_ss_head_dim<T>(dp, s.v[0] + 64 * wg * ROW_BYTES, sizeof(s.v[0]), s.dout[st][0], sizeof(s.dout[st][0]));
     wgmma_wait<1>();  // S^T
     fence_regs(sc);
 
@@ -283,6 +270,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <typename T>
 void launch(const DkdvArgs& a, cudaStream_t stream) {
   const auto kernel = dkdv_dq_kernel<T>;
+  constexpr int SMEM_BYTES = shared_bytes<SharedStorage>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
@@ -293,7 +281,7 @@ void launch(const DkdvArgs& a, cudaStream_t stream) {
                                           int64_t(a.num_heads) * HEAD_DIM, HEAD_DIM, BLOCK_M);
   const KernelParams p{a.lse, a.delta, a.items, a.dk, a.dv, a.dk_stride_t, a.dk_stride_h, a.dv_stride_t,
                        a.dv_stride_h, a.partial_dk, a.partial_dv, a.T, a.num_heads, a.num_kv_heads,
-                       a.sm_scale, a.scale_log2};
+                       float(a.sm_scale), float(a.sm_scale * LOG2E)};
   kernel<<<a.n_items * a.num_kv_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, tm_do, tm_dq, p);
 }
 

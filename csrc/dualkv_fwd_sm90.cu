@@ -33,7 +33,6 @@ struct alignas(1024) SharedStorage {
   uint64_t full[STAGES];
   uint64_t empty[STAGES];
 };
-constexpr int SMEM_BYTES = sizeof(SharedStorage) + 1024;  // + room to align the dynamic base
 
 struct KernelParams {
   const int32_t* tiles;
@@ -51,7 +50,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                const __grid_constant__ CUtensorMap tm_v, const KernelParams p) {
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  SharedStorage& s = aligned_shared<SharedStorage>(smem_raw);
 
   // heads vary fastest, so the heaviest tiles (tables are sorted heaviest first) start first
   const int h = blockIdx.x % p.num_heads;
@@ -110,13 +109,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     float sc[64];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-      const int pnl = kk / 4, col = (kk % 4) * 32;
-      mma_64x128_ss<T>(sc, smem_desc(s.q[pnl] + 64 * wg * ROW_BYTES + col, 16, 1024),
-                       smem_desc(s.k[st][pnl] + col, 16, 1024), kk);
-    }
-    wgmma_commit();
+    mma_ss_head_dim<T>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[st][0], sizeof(s.k[st][0]));
     wgmma_wait<0>();
     fence_regs(sc);
 
@@ -193,13 +186,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <typename T>
 void launch(const FwdArgs& a, cudaStream_t stream) {
   const auto kernel = fwd_kernel<T>;
+  constexpr int SMEM_BYTES = shared_bytes<SharedStorage>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
   const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
   const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
   const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
-                       a.num_heads / a.num_kv_heads, a.scale_log2};
+                       a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E)};
   kernel<<<a.n_tiles * a.num_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, p);
 }
 

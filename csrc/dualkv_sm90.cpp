@@ -70,8 +70,7 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   a.partial_dv = partial_dv.data_ptr<float>();
   a.dq_acc = dq_acc.data_ptr<float>();
   a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
-  a.sm_scale = float(sm_scale);
-  a.scale_log2 = float(sm_scale * 1.4426950408889634);
+  a.sm_scale = sm_scale;
   a.fp16 = q.scalar_type() == at::kHalf;
   dualkv_sm90::dkdv_dq(a, c10::cuda::getCurrentCUDAStream().stream());
 }
@@ -98,7 +97,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   a.out_stride_t = out.stride(0), a.out_stride_h = out.stride(1);
   a.lse = lse.data_ptr<float>();
   a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
-  a.scale_log2 = float(sm_scale * 1.4426950408889634);
+  a.sm_scale = sm_scale;
   a.fp16 = q.scalar_type() == at::kHalf;
   dualkv_sm90::fwd(a, c10::cuda::getCurrentCUDAStream().stream());
 }

@@ -22,8 +22,8 @@ struct FwdArgs {
   int64_t out_stride_t, out_stride_h;
   float* lse;  // (Hq, T), log2 units
   int T, num_heads, num_kv_heads;
-  float scale_log2;  // softmax scale * log2(e)
-  bool fp16;         // else bf16
+  double sm_scale;  // softmax scale
+  bool fp16;        // else bf16
 };
 
 void fwd(const FwdArgs& args, void* stream);
@@ -45,8 +45,7 @@ struct DkdvArgs {
   float* partial_dk; float* partial_dv;  // (slots * 128, Hkv, 128) fp32, written where slot >= 0
   float* dq_acc;                        // (T, Hq, 128) fp32, zeroed by the caller; receives dQ (scaled)
   int T, num_heads, num_kv_heads;
-  float sm_scale;      // softmax scale
-  float scale_log2;    // sm_scale * log2(e)
+  double sm_scale;     // softmax scale
   bool fp16;           // else bf16
 };
 

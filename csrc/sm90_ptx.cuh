@@ -198,6 +198,38 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// acc (64 x N) = A B^T over the head dim, both K-major (head dim contiguous): A = 64 rows at `a`,
+// B = N rows at `b`, each in 64-column panels `*_panel_bytes` apart; k-steps of 16 columns, one
+// commit group. The caller issues wgmma_fence() first (once for several back-to-back products).
+template <typename T, int REGS>
+__device__ __forceinline__ void mma_ss_head_dim(float (&acc)[REGS], const uint8_t* a, uint32_t a_panel_bytes,
+                                                const uint8_t* b, uint32_t b_panel_bytes) {
+  static_assert(REGS == 32 || REGS == 64, "64 x 64 or 64 x 128 accumulators");
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    const uint32_t pnl = kk / 4, col = (kk % 4) * 32;
+    const uint64_t desc_a = smem_desc(a + pnl * a_panel_bytes + col, 16, 1024);
+    const uint64_t desc_b = smem_desc(b + pnl * b_panel_bytes + col, 16, 1024);
+    if constexpr (REGS == 32)
+      mma_64x64_ss<T, 0, 0>(acc, desc_a, desc_b, kk);
+    else
+      mma_64x128_ss<T>(acc, desc_a, desc_b, kk);
+  }
+  wgmma_commit();
+}
+
+// The dynamic shared memory as S, its base rounded up to 1024 bytes (the swizzle atom of the
+// tiles); launch with shared_bytes<S>() of dynamic shared memory.
+template <typename S>
+__device__ __forceinline__ S& aligned_shared(uint8_t* raw) {
+  return *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+}
+
+template <typename S>
+constexpr int shared_bytes() {
+  return sizeof(S) + 1024;
+}
+
 // A fragments of an RS wgmma from an fp32 accumulator: pair j is elements 2j, 2j+1 (same row,
 // adjacent columns), so the accumulator layout of a 64 x N wgmma is the A layout of the next one
 template <typename T, int N>
@@ -218,6 +250,8 @@ __device__ __forceinline__ void mma_rs(float (&acc)[64], const uint32_t* a, cons
 }
 
 // ------------------------------------------------------------------------------------ host
+constexpr double LOG2E = 1.4426950408889634;  // scores go through exp2: scale_log2 = softmax scale * LOG2E
+
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;

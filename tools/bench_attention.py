@@ -235,6 +235,29 @@ def plot(rows, path, title):
     fig.savefig(path, dpi=120)
 
 
+def write_table(rows, path, columns):
+    """``rows`` as CSV at ``path`` and as a printed table. ``columns``: (key, title, format spec) in
+    order, then an "error" column; a spec with a precision ("8.2f") marks a measured value, and a
+    failed row prints its other columns and the error instead."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, [key for key, _, _ in columns] + ["error"])
+        writer.writeheader()
+        writer.writerows(rows)
+    labels = [(key, spec) for key, _, spec in columns if "." not in spec]
+
+    def aligned(key, title, spec):  # titles align like their values: text left, numbers right
+        text = not rows or isinstance(rows[0].get(key), str)
+        return f"{title:{'<' if text and '.' not in spec else '>'}{spec.split('.')[0]}}"
+
+    print(" ".join(aligned(*column) for column in columns))
+    for r in rows:
+        label = " ".join(format(r[key], spec) for key, spec in labels)
+        if "error" in r:
+            print(f"{label} failed: {r['error']}")
+        else:
+            print(" ".join(format(r[key], spec) for key, _, spec in columns))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
@@ -261,20 +284,13 @@ def main():
             torch.cuda.empty_cache()
             print(row, flush=True)
     os.makedirs(args.out, exist_ok=True)
-    keys = ["workload", "method", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "peak_gib", "error"]
-    with open(os.path.join(args.out, "attention.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, keys)
-        writer.writeheader()
-        writer.writerows(rows)
     plot([r for r in rows if "error" not in r], os.path.join(args.out, "attention.png"),
          f"DualKV attention, {torch.cuda.get_device_name()}")
-    print(f"\n{'workload':22} {'method':15} {'fwd ms':>8} {'fwd+bwd ms':>11} {'TFLOP/s f':>10} {'TFLOP/s f+b':>12} {'peak GiB':>9}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['workload']:22} {r['method']:15} failed: {r['error']}")
-        else:
-            print(f"{r['workload']:22} {r['method']:15} {r['fwd_ms']:8.2f} {r['fwd_bwd_ms']:11.2f} "
-                  f"{r['fwd_tflops']:10.0f} {r['fwd_bwd_tflops']:12.0f} {r['peak_gib']:9.2f}")
+    print()
+    write_table(rows, os.path.join(args.out, "attention.csv"), [
+        ("workload", "workload", "22"), ("method", "method", "15"), ("fwd_ms", "fwd ms", "8.2f"),
+        ("fwd_bwd_ms", "fwd+bwd ms", "11.2f"), ("fwd_tflops", "TFLOP/s f", "10.0f"),
+        ("fwd_bwd_tflops", "TFLOP/s f+b", "12.0f"), ("peak_gib", "peak GiB", "9.2f")])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ and writes CSV:
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_attention import bench, sbhd_attention  # noqa: E402  (tools/ is on sys.path when run as a script)
+from bench_attention import bench, sbhd_attention, write_table  # noqa: E402  (tools/ is on sys.path when run as a script)
 from megatron_dualkv import DualKVLayout  # noqa: E402
 from megatron_dualkv.mcore import DualKVPackedSeqParams  # noqa: E402
 from megatron_dualkv.models import ModelCard, build_model, load_card  # noqa: E402
@@ -162,18 +161,10 @@ def main():
         rows += run_layer(model, kind, args.n, args.p, args.r, BASELINES[kind])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gemma_layer_{args.n}x{args.p}x{args.r}.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, ["layer", "method", "layout", "tokens", "fwd_ms", "fwd_bwd_ms", "peak_gib", "error"])
-        writer.writeheader()
-        writer.writerows(rows)
     print(f"\n{torch.cuda.get_device_name()}, {args.card}, N={args.n} P={args.p} R={args.r}; CSV: {path}")
-    print(f"{'layer':8} {'method':15} {'layout':11} {'tokens':>7} {'fwd ms':>8} {'fwd+bwd ms':>11} {'peak GiB':>9}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['layer']:8} {r['method']:15} {r['layout']:11} {r['tokens']:7} failed: {r['error']}")
-        else:
-            print(f"{r['layer']:8} {r['method']:15} {r['layout']:11} {r['tokens']:7} {r['fwd_ms']:8.2f} "
-                  f"{r['fwd_bwd_ms']:11.2f} {r['peak_gib']:9.2f}")
+    write_table(rows, path, [
+        ("layer", "layer", "8"), ("method", "method", "15"), ("layout", "layout", "11"), ("tokens", "tokens", "7"),
+        ("fwd_ms", "fwd ms", "8.2f"), ("fwd_bwd_ms", "fwd+bwd ms", "11.2f"), ("peak_gib", "peak GiB", "9.2f")])
     for kind in args.layers.split(","):
         ours = next(r for r in rows if r["layer"] == kind and r["method"] == "dualkv")
         baselines = [r for r in rows if r["layer"] == kind and r["layout"] == "replicated" and "error" not in r]

@@ -40,3 +40,8 @@ def check_attention_inputs(q, k, v, layout, softmax_scale=None, window_size=None
     if not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be positive, got {softmax_scale!r}")
     return float(softmax_scale)
+
+
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Base and all but the last stride 16-byte aligned: what TMA tensor descriptors require."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])

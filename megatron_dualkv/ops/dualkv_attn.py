@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import DualKVLayout
-from .checks import check_attention_inputs
+from .checks import check_attention_inputs, tma_aligned
 from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, dkdv_dq_sm90, fwd_sm90,
                                native_supported)
 
@@ -558,8 +558,7 @@ def _tma_loads(cfg: KernelConfig, head_dim: int, *tensors: torch.Tensor) -> bool
         return False
     if device.type == "cuda" and not _has_tma(device):
         return False
-    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-               for t in tensors)
+    return all(tma_aligned(t) for t in tensors)
 
 
 def _streamed(cfg: KernelConfig, rows: int, a: torch.Tensor, b: torch.Tensor):

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from .._resources import resource_dir
+from .checks import tma_aligned
 
 NATIVE_HEAD_DIM = 128
 NATIVE_FWD_BLOCK_M = 128  # forward: query rows per program
@@ -35,8 +36,9 @@ CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 @functools.cache
 def _extension():
-    """The compiled extension, or None (with one warning) where it cannot be built here."""
-    if os.environ.get("DUALKV_NATIVE", "1") == "0":
+    """The compiled extension, or None where it cannot be built here (with one warning, unless it
+    was switched off or this install has no sources)."""
+    if os.environ.get("DUALKV_NATIVE", "1") == "0" or not CSRC.is_dir():
         return None
     try:
         from torch.utils.cpp_extension import load
@@ -51,10 +53,6 @@ def _extension():
         return None
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-
-
 def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size: Optional[int],
                      softcap: Optional[float], deterministic: bool) -> bool:
     """Whether the native kernels cover this call (then the extension is built or loaded)."""
@@ -64,7 +62,7 @@ def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_s
         return False
     if window_size is not None or softcap is not None or deterministic:
         return False
-    if not all(t.stride(-1) == 1 and _tma_ready(t) for t in (q, k, v)) or not CSRC.is_dir():
+    if not all(t.stride(-1) == 1 and tma_aligned(t) for t in (q, k, v)):
         return False
     return _extension() is not None
 
