@@ -16,11 +16,11 @@
 //     dS^T = scale * P^T * (dP^T - delta)   (the softmax scale of dK and dQ, applied once here)
 //     dV_w += P^T dO,  dK_w += dS^T Q  (P^T, dS^T stay in registers as the A operands: the wgmma
 //                                       accumulator layout is the A-fragment layout)
-//     dS^T -> shared memory; both warpgroups meet at a named barrier; then warpgroup w computes
-//     dQ[:, 64w:64w+64] = dS K[:, 64w:64w+64] over all 128 keys, stages it in shared memory and
-//     adds it to an fp32 (T, Hq, 128) buffer with TMA bulk tensor reductions: issued by one
-//     thread, run by the copy engine while the warpgroup goes on (per-thread fp32 atomics cost
-//     4.5 of 18.8 ms at 16x8192x1024; PERF_NOTES.md, session 4).
+//     dS^T -> shared memory; one step later (so that neither warpgroup waits for the other),
+//     warpgroup w computes dQ[:, 64w:64w+64] = dS K[:, 64w:64w+64] over all 128 keys, stages it
+//     in shared memory and adds it to an fp32 (T, Hq, 128) buffer with TMA bulk tensor
+//     reductions: issued by one thread, run by the copy engine while the warpgroup goes on
+//     (per-thread fp32 atomics cost 4.5 of 18.8 ms at 16x8192x1024; PERF_NOTES.md, session 4).
 // That is 5 matmuls per (query block, key tile) against 7 for the Triton separate-dQ plan.
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
@@ -39,13 +39,14 @@ struct alignas(1024) SharedStorage {
   uint8_t v[PANELS][BLOCK_N * ROW_BYTES];
   uint8_t q[STAGES][PANELS][BLOCK_M * ROW_BYTES];
   uint8_t dout[STAGES][PANELS][BLOCK_M * ROW_BYTES];
-  uint8_t ds[2][BLOCK_N * ROW_BYTES];  // dS^T (key, query), double-buffered across steps
+  uint8_t ds[3][BLOCK_N * ROW_BYTES];  // dS^T (key, query) of the last three steps
   uint8_t dq[2][2][BLOCK_M * ROW_BYTES];  // per warpgroup, two (64 queries, 32 fp32) swizzled boxes
   float lse[STAGES][BLOCK_M];
   float delta[STAGES][BLOCK_M];
   uint64_t kv_full;
   uint64_t full[STAGES];
   uint64_t empty[STAGES];
+  uint64_t ds_full[3];
 };
 
 // ------------------------------------------------------------------------------------ kernel
@@ -87,8 +88,13 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(&s.full[i], 32);                      // every producer lane (lse, delta rows)
       mbar_init(&s.empty[i], CONSUMER_THREADS / 32);  // one lane per consumer warp
     }
+    for (int i = 0; i < 3; ++i) mbar_init(&s.ds_full[i], CONSUMER_THREADS / 32);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  // the first step's dQ matmul reads dS^T of "step -1" from ds[2]: zeros, so it adds nothing
+  for (int i = threadIdx.x; i < BLOCK_N * ROW_BYTES / 16; i += THREADS)
+    reinterpret_cast<uint4*>(s.ds[2])[i] = make_uint4(0, 0, 0, 0);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
 
   if (warp < 4) {  // ---------------------------------------------------------------- producer
@@ -137,10 +143,52 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
   for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
 
+  // dQ[:, 64 wg:64 wg + 64] of a step = dS K: A = dS^T read M-major, B = K panel wg read N-major,
+  // k-steps of 16 keys; one commit group
+  const auto issue_dq = [&](float (&dq)[32], const uint8_t* ds) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+      mma_64x64_ss<T, 1, 1>(dq, smem_desc(ds + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024),
+                            smem_desc(s.k[wg] + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024), kk);
+    wgmma_commit();
+  };
+  // a finished dQ block -> two swizzled (64, 32) fp32 boxes -> bulk reductions. Masked queries
+  // have dS = 0, so the block's rows outside [q_lo, q_hi) add exact zeros.
+  const auto add_dq = [&](const float (&dq)[32], int step) {
+    if (dq_issuer) bulk_wait_read();  // the previous block's boxes have been read
+    warpgroup_sync(wg);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = 16 * wq + g + 8 * half;  // row % 8 == g
+        uint8_t* box = s.dq[wg][i / 4];
+        *reinterpret_cast<float2*>(box + row * ROW_BYTES + (((2 * (i % 4) + c / 2) ^ g) << 4) + 8 * (c % 2)) =
+            make_float2(dq[4 * i + 2 * half], dq[4 * i + 2 * half + 1]);
+      }
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    warpgroup_sync(wg);
+    if (dq_issuer) {
+      const int h = hk * group + step / q_blocks, q0 = q_lo + (step % q_blocks) * BLOCK_M;
+      tma_reduce_add(s.dq[wg][0], &tm_dq, 64 * wg, h, q0);
+      tma_reduce_add(s.dq[wg][1], &tm_dq, 64 * wg + 32, h, q0);
+    }
+  };
+
+  // dS^T of step j sits in ds[j % 3], and ds_full[j % 3] completes once every consumer warp has
+  // written its rows; "step -1" is the zeroed ds[2], whose barrier reads as complete (parity 1 of
+  // a fresh barrier)
+  const auto wait_ds = [&](int j) { mbar_wait(&s.ds_full[(j + 3) % 3], ((j + 3) / 3 + 1) & 1); };
+
+  // The dQ matmul of step i-1 is issued in step i behind dK: it runs while dS^T of step i is
+  // written, and it never waits for the other warpgroup (its dS^T was written a step earlier),
+  // where a barrier in the middle of the step held both warpgroups in lockstep. Three dS
+  // buffers: a warpgroup writes ds[i % 3] after ds_full of step i-1, which the other warpgroup
+  // arrives at only after its dQ of step i-3 (the last reader of ds[i % 3]) has completed.
   mbar_wait(&s.kv_full, 0);
   for (int step = 0; step < steps; ++step) {
     const int st = step % STAGES;
-    const int h = hk * group + step / q_blocks;
     const int q0 = q_lo + (step % q_blocks) * BLOCK_M;
     mbar_wait(&s.full[st], (step / STAGES) & 1);
 
@@ -187,8 +235,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     pack_fragments<T>(dp, da);
     mma_rs<T, BLOCK_M / 16>(dk, da, s.q[st][0], BLOCK_M * ROW_BYTES);
 
-    // dS^T to shared memory (one 128-byte swizzled row per key), for the dQ matmul of both warpgroups
-    uint8_t* ds = s.ds[step & 1];
+    float dq[32];
+    wait_ds(step - 1);
+    wgmma_fence();
+    issue_dq(dq, s.ds[(step + 2) % 3]);
+
+    // dS^T to shared memory (one 128-byte swizzled row per key), for the next step's dQ matmul
+    // of both warpgroups
+    uint8_t* ds = s.ds[step % 3];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -198,18 +252,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    consumers_sync();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&s.ds_full[step % 3]);
 
-    // dQ[:, 64 wg:64 wg + 64] = dS K: A = dS^T read M-major, B = K panel wg read N-major,
-    // k-steps of 16 keys
-    float dq[32];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      mma_64x64_ss<T, 1, 1>(dq, smem_desc(ds + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024),
-                            smem_desc(s.k[wg] + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024), kk);
-    wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<0>();  // dV, dK, dQ
     fence_regs(dq);
     fence_regs(dv);
     fence_regs(dk);
@@ -217,27 +263,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     fence_regs(da);
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage's Q and dO
-
-    // dQ block -> two swizzled (64, 32) fp32 boxes -> bulk reductions. Masked queries have dS = 0,
-    // so the block's rows outside [q_lo, q_hi) add exact zeros.
-    if (dq_issuer) bulk_wait_read();  // the previous block's boxes have been read
-    warpgroup_sync(wg);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = 16 * wq + g + 8 * half;  // row % 8 == g
-        uint8_t* box = s.dq[wg][i / 4];
-        *reinterpret_cast<float2*>(box + row * ROW_BYTES + (((2 * (i % 4) + c / 2) ^ g) << 4) + 8 * (c % 2)) =
-            make_float2(dq[4 * i + 2 * half], dq[4 * i + 2 * half + 1]);
-      }
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    warpgroup_sync(wg);
-    if (dq_issuer) {
-      tma_reduce_add(s.dq[wg][0], &tm_dq, 64 * wg, h, q0);
-      tma_reduce_add(s.dq[wg][1], &tm_dq, 64 * wg + 32, h, q0);
-    }
+    add_dq(dq, max(step - 1, 0));  // at step 0: zeros
+  }
+  if (steps > 0) {
+    float dq[32];
+    wait_ds(steps - 1);
+    wgmma_fence();
+    issue_dq(dq, s.ds[(steps - 1) % 3]);
+    wgmma_wait<0>();
+    fence_regs(dq);
+    add_dq(dq, steps - 1);
   }
   if (dq_issuer) bulk_wait();
 

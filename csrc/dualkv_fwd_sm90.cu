@@ -3,7 +3,7 @@
 //
 // One CTA per (query tile of 128 rows inside one segment, query head): the tables of the Triton
 // forward (megatron_dualkv/ops/dualkv_attn.py, query_tiles with 128-row tiles). Warpgroup 0 is
-// the producer: one warp streams K/V blocks of 128 keys into a 2-stage ring, first the group's
+// the producer: one warp streams K/V blocks of 128 keys into a 3-stage ring, first the group's
 // prompt (every key visible; the last block is cut at the prompt's end), then the tile's own
 // segment up to the tile's end (causal). Warpgroups 1 and 2 own 64 query rows each and keep
 // flash-attention 2's online softmax in registers (log2 units, scale_log2 = softmax scale * log2 e):
@@ -12,8 +12,8 @@
 //     l = l 2^(m - m') + rowsum P,  O = O 2^(m - m') + P V   (P V: P stays in registers as the
 //                                                              A operand)
 //     at the end O /= l and lse = m + log2 l, as the Triton forward stores it.
-// The consumer warpgroups are not synchronized with each other, so one's softmax overlaps the
-// other's matmuls on the tensor cores.
+// The consumer warpgroups take turns issuing their matmuls (ping-pong, see the main loop), so that
+// one's softmax overlaps the other's matmuls on the tensor cores.
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
 
@@ -22,7 +22,7 @@ namespace {
 
 constexpr int BLOCK_M = 128;  // query rows per CTA: two consumer warpgroups of 64
 constexpr int BLOCK_N = 128;  // keys per step
-constexpr int STAGES = 2;
+constexpr int STAGES = 3;  // K/V of block b-1 are held while block b is loaded
 constexpr int THREADS = 384;
 
 struct alignas(1024) SharedStorage {
@@ -101,18 +101,11 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float sc[64];
+  uint32_t pa[32];  // P of the last block, bf16/fp16, the A operand of its P V
 
-  mbar_wait(&s.q_full, 0);
-  for (int b = 0; b < blocks; ++b) {
-    const int st = b % STAGES;
-    mbar_wait(&s.full[st], (b / STAGES) & 1);
-
-    float sc[64];
-    wgmma_fence();
-    mma_ss_head_dim<T>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[st][0], sizeof(s.k[st][0]));
-    wgmma_wait<0>();
-    fence_regs(sc);
-
+  // Online softmax of block b on S in sc: P into pa, l and m updated, O rescaled
+  const auto softmax = [&](int b) {
     // the prompt: keys past its end are invisible; the segment: keys after the query are
     const bool in_prefix = b < prefix_blocks;
     const int key_index0 = (in_prefix ? b : b - prefix_blocks) * BLOCK_N;
@@ -126,7 +119,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-
     float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -155,17 +147,56 @@ __global__ void __launch_bounds__(THREADS, 1)
         o[4 * i + e] *= alpha[e >> 1];
       }
     }
-
-    // O += P V: B = V read N-major (head dim contiguous), k-steps of 16 keys
-    uint32_t pa[32];
     pack_fragments<T>(sc, pa);
-    mma_rs<T, BLOCK_N / 16>(o, pa, s.v[st][0], BLOCK_N * ROW_BYTES);
+  };
+  // S = Q_w K^T of block b
+  const auto issue_s = [&](int b) {
+    mma_ss_head_dim<T>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[b % STAGES][0], sizeof(s.k[0][0]));
+  };
+  // O += P V of block b: B = V read N-major (head dim contiguous), k-steps of 16 keys
+  const auto issue_pv = [&](int b) { mma_rs<T, BLOCK_N / 16>(o, pa, s.v[b % STAGES][0], BLOCK_N * ROW_BYTES); };
+  const auto wait_all = [&] {
     wgmma_wait<0>();
+    fence_regs(sc);
     fence_regs(o);
     fence_regs(pa);
+  };
+  const auto release = [&](int b) {  // this warp is done with block b's K and V
     __syncwarp();
-    if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage's K and V
+    if (lane == 0) mbar_arrive(&s.empty[b % STAGES]);
+  };
+
+  // Ping-pong: a warpgroup issues P V of block b-1 and S of block b back to back in its turn,
+  // then passes the turn and runs the softmax of block b while the other warpgroup's matmuls
+  // keep the tensor cores busy. No matmul is in flight during a softmax, so ptxas has no reason
+  // to insert waits there (PERF_NOTES.md, session 4). Warpgroup 0 takes the first turn.
+  if (wg == 1) turn_pass(wg);
+  mbar_wait(&s.q_full, 0);
+  mbar_wait(&s.full[0], 0);
+  turn_wait(wg);
+  wgmma_fence();
+  issue_s(0);
+  turn_pass(wg);
+  wait_all();
+  softmax(0);
+  for (int b = 1; b < blocks; ++b) {
+    mbar_wait(&s.full[b % STAGES], (b / STAGES) & 1);
+    turn_wait(wg);
+    wgmma_fence();
+    issue_pv(b - 1);
+    issue_s(b);
+    turn_pass(wg);
+    wait_all();
+    release(b - 1);
+    softmax(b);
   }
+  turn_wait(wg);
+  wgmma_fence();
+  issue_pv(blocks - 1);
+  turn_pass(wg);
+  wait_all();
+  release(blocks - 1);
+  if (wg == 0) turn_wait(wg);  // the pass warpgroup 1 made last
 
   // O / l and lse; rows past the tile (a partial last tile) are not stored
 #pragma unroll

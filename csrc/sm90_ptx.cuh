@@ -73,8 +73,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
 }
 
-// the two consumer warpgroups (named barrier 1; 0 is __syncthreads)
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+// Turns of the two consumer warpgroups (named barriers 4 and 5): warpgroup wg waits for its turn,
+// then passes the turn to the other one. Barrier 4 + w completes when warpgroup w waits and the
+// other warpgroup has passed.
+__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;" ::"r"(4 + wg) : "memory"); }
+__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;" ::"r"(5 - wg) : "memory"); }
 
 // one consumer warpgroup (named barriers 2 and 3)
 __device__ __forceinline__ void warpgroup_sync(int wg) {
