@@ -28,6 +28,8 @@
 namespace dualkv_sm90 {
 namespace {
 
+constexpr int HEAD_DIM = 128;
+constexpr int PANELS = HEAD_DIM / 64;
 constexpr int BLOCK_M = 64;    // queries per step
 constexpr int BLOCK_N = 128;   // keys per CTA: two consumer warpgroups of 64
 constexpr int STAGES = 2;
@@ -195,8 +197,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     // S^T = K_w Q^T and dP^T = V_w dO^T: A and B both K-major (rows of 64 head-dim elements)
     float sc[32], dp[32];
     wgmma_fence();
-    mma_ss_head_dim<T>(sc, s.k[0] + 64 * wg * ROW_BYTES, sizeof(s.k[0]), s.q[st][0], sizeof(s.q[st][0]));
-    mma_ss_head_dim<T>(dp, s.v[0] + 64 * wg * ROW_BYTES, sizeof(s.v[0]), s.dout[st][0], sizeof(s.dout[st][0]));
+    mma_ss_head_dim<T, HEAD_DIM>(sc, s.k[0] + 64 * wg * ROW_BYTES, sizeof(s.k[0]), s.q[st][0], sizeof(s.q[st][0]));
+    mma_ss_head_dim<T, HEAD_DIM>(dp, s.v[0] + 64 * wg * ROW_BYTES, sizeof(s.v[0]), s.dout[st][0], sizeof(s.dout[st][0]));
     wgmma_wait<1>();  // S^T
     fence_regs(sc);
 
@@ -308,11 +310,11 @@ void launch(const DkdvArgs& a, cudaStream_t stream) {
   constexpr int SMEM_BYTES = shared_bytes<SharedStorage>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
-  const CUtensorMap tm_do = head_tile_map(a.dout, dtype, 2, a.T, a.num_heads, a.do_stride_t, a.do_stride_h, BLOCK_M);
-  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
-  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
-  const CUtensorMap tm_dq = head_tile_map(a.dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.T, a.num_heads,
+  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, HEAD_DIM, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
+  const CUtensorMap tm_do = head_tile_map(a.dout, dtype, 2, a.T, a.num_heads, HEAD_DIM, a.do_stride_t, a.do_stride_h, BLOCK_M);
+  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
+  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
+  const CUtensorMap tm_dq = head_tile_map(a.dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.T, a.num_heads, HEAD_DIM,
                                           int64_t(a.num_heads) * HEAD_DIM, HEAD_DIM, BLOCK_M);
   const KernelParams p{a.lse, a.delta, a.items, a.dk, a.dv, a.dk_stride_t, a.dk_stride_h, a.dv_stride_t,
                        a.dv_stride_h, a.partial_dk, a.partial_dv, a.T, a.num_heads, a.num_kv_heads,

@@ -20,6 +20,8 @@
 namespace dualkv_sm90 {
 namespace {
 
+constexpr int HEAD_DIM = 128;
+constexpr int PANELS = HEAD_DIM / 64;
 constexpr int BLOCK_M = 128;  // query rows per CTA: two consumer warpgroups of 64
 constexpr int BLOCK_N = 128;  // keys per step
 constexpr int STAGES = 3;  // K/V of block b-1 are held while block b is loaded
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   // S = Q_w K^T of block b
   const auto issue_s = [&](int b) {
-    mma_ss_head_dim<T>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[b % STAGES][0], sizeof(s.k[0][0]));
+    mma_ss_head_dim<T, HEAD_DIM>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[b % STAGES][0], sizeof(s.k[0][0]));
   };
   // O += P V of block b: B = V read N-major (head dim contiguous), k-steps of 16 keys
   const auto issue_pv = [&](int b) { mma_rs<T, BLOCK_N / 16>(o, pa, s.v[b % STAGES][0], BLOCK_N * ROW_BYTES); };
@@ -220,9 +222,9 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   constexpr int SMEM_BYTES = shared_bytes<SharedStorage>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
-  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
-  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
+  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, HEAD_DIM, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
+  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
+  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
   const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
                        a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E)};
   kernel<<<a.n_tiles * a.num_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, p);

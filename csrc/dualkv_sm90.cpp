@@ -1,4 +1,4 @@
-// torch binding of the native Hopper DualKV kernels (csrc/dualkv_fwd_sm90.cu, csrc/dualkv_bwd_sm90.cu).
+// torch binding of the native Hopper DualKV kernels (csrc/dualkv_*_sm90.cu).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -7,9 +7,9 @@
 
 namespace {
 
-void check_heads(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 3 && t.size(2) == 128 && t.stride(2) == 1, name,
-              " must be a CUDA (T, H, 128) tensor with unit last stride, got ", t.sizes(), " strides ", t.strides());
+void check_heads(const at::Tensor& t, const char* name, int64_t head_dim) {
+  TORCH_CHECK(t.is_cuda() && t.dim() == 3 && t.size(2) == head_dim && t.stride(2) == 1, name, " must be a CUDA (T, H, ",
+              head_dim, ") tensor with unit last stride, got ", t.sizes(), " strides ", t.strides());
 }
 
 // q's dtype (bf16 or fp16), shared by every tensor of `same`
@@ -38,20 +38,22 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& items, const at::Tensor& dk,
              const at::Tensor& dv, const at::Tensor& partial_dk, const at::Tensor& partial_dv, const at::Tensor& dq_acc,
              double sm_scale) {
-  check_heads(q, "q");
-  check_heads(k, "k");
-  check_heads(v, "v");
-  check_heads(dout, "dout");
-  check_heads(dk, "dk");
-  check_heads(dv, "dv");
+  const int64_t D = q.dim() == 3 ? q.size(2) : 0;
+  TORCH_CHECK(D == 128 || D == 256, "the native dK/dV pass takes head dim 128 or 256, got q of shape ", q.sizes());
+  check_heads(q, "q", D);
+  check_heads(k, "k", D);
+  check_heads(v, "v", D);
+  check_heads(dout, "dout", D);
+  check_heads(dk, "dk", D);
+  check_heads(dv, "dv", D);
   for (const auto* t : {&lse, &delta, &partial_dk, &partial_dv, &dq_acc}) check_fp32(*t, "lse, delta, partials and dq_acc");
   check_dtype(q, {&k, &v, &dout, &dk, &dv}, "q, k, v, dout, dk, dv");
   check_table(items, "items");
   const int T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
   TORCH_CHECK(k.size(0) == T && v.sizes() == k.sizes() && dout.sizes() == q.sizes() && Hq % Hkv == 0,
-              "shapes: q/dout (T, Hq, 128), k/v (T, Hkv, 128) with Hkv dividing Hq");
+              "shapes: q/dout (T, Hq, D), k/v (T, Hkv, D) with Hkv dividing Hq");
   TORCH_CHECK(dq_acc.sizes() == q.sizes() && lse.numel() == int64_t(Hq) * T && delta.numel() == lse.numel(),
-              "dq_acc (T, Hq, 128), lse and delta (Hq, T)");
+              "dq_acc (T, Hq, D), lse and delta (Hq, T)");
 
   const c10::cuda::CUDAGuard guard(q.device());
   dualkv_sm90::DkdvArgs a{};
@@ -72,15 +74,15 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
   a.sm_scale = sm_scale;
   a.fp16 = q.scalar_type() == at::kHalf;
-  dualkv_sm90::dkdv_dq(a, c10::cuda::getCurrentCUDAStream().stream());
+  (D == 128 ? dualkv_sm90::dkdv_dq : dualkv_sm90::dkdv_dq_d256)(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
          const at::Tensor& lse, double sm_scale) {
-  check_heads(q, "q");
-  check_heads(k, "k");
-  check_heads(v, "v");
-  check_heads(out, "out");
+  check_heads(q, "q", 128);
+  check_heads(k, "k", 128);
+  check_heads(v, "v", 128);
+  check_heads(out, "out", 128);
   check_fp32(lse, "lse");
   check_dtype(q, {&k, &v, &out}, "q, k, v, out");
   check_table(tiles, "tiles");
@@ -106,5 +108,5 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "DualKV forward, head dim 128, sm_90a");
-  m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128, sm_90a");
+  m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128 or 256, sm_90a");
 }

@@ -50,5 +50,8 @@ struct DkdvArgs {
 };
 
 void dkdv_dq(const DkdvArgs& args, void* stream);
+// the same pass for head dim 256: tensors (T, H, 256), items built with 64-key tiles and 64-query
+// blocks, partials (slots * 64, Hkv, 256)
+void dkdv_dq_d256(const DkdvArgs& args, void* stream);
 
 }  // namespace dualkv_sm90

@@ -17,9 +17,7 @@
 
 namespace dualkv_sm90 {
 
-constexpr int HEAD_DIM = 128;
-constexpr int PANELS = HEAD_DIM / 64;
-constexpr int ROW_BYTES = 128;  // one swizzled row: 64 16-bit elements
+constexpr int ROW_BYTES = 128;  // one swizzled row: 64 16-bit elements: a head dim of D is D / 64 panels
 
 // ------------------------------------------------------------------------------------ device
 #define DUALKV_ACC32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
@@ -201,15 +199,15 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// acc (64 x N) = A B^T over the head dim, both K-major (head dim contiguous): A = 64 rows at `a`,
+// acc (64 x N) = A B^T over head dim D, both K-major (head dim contiguous): A = 64 rows at `a`,
 // B = N rows at `b`, each in 64-column panels `*_panel_bytes` apart; k-steps of 16 columns, one
 // commit group. The caller issues wgmma_fence() first (once for several back-to-back products).
-template <typename T, int REGS>
+template <typename T, int D, int REGS>
 __device__ __forceinline__ void mma_ss_head_dim(float (&acc)[REGS], const uint8_t* a, uint32_t a_panel_bytes,
                                                 const uint8_t* b, uint32_t b_panel_bytes) {
   static_assert(REGS == 32 || REGS == 64, "64 x 64 or 64 x 128 accumulators");
 #pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+  for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t pnl = kk / 4, col = (kk % 4) * 32;
     const uint64_t desc_a = smem_desc(a + pnl * a_panel_bytes + col, 16, 1024);
     const uint64_t desc_b = smem_desc(b + pnl * b_panel_bytes + col, 16, 1024);
@@ -268,11 +266,11 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// (128 bytes of columns, 1 head, rows) boxes of a (T, H, 128) tensor, 128-byte swizzle, zero fill past T
-inline CUtensorMap head_tile_map(const void* ptr, CUtensorMapDataType dtype, int elem_bytes, int T, int H, int64_t stride_t,
-                          int64_t stride_h, int rows) {
+// (128 bytes of columns, 1 head, rows) boxes of a (T, H, head_dim) tensor, 128-byte swizzle, zero fill past T
+inline CUtensorMap head_tile_map(const void* ptr, CUtensorMapDataType dtype, int elem_bytes, int T, int H, int head_dim,
+                                 int64_t stride_t, int64_t stride_h, int rows) {
   CUtensorMap map;
-  cuuint64_t dims[3] = {HEAD_DIM, cuuint64_t(H), cuuint64_t(T)};
+  cuuint64_t dims[3] = {cuuint64_t(head_dim), cuuint64_t(H), cuuint64_t(T)};
   cuuint64_t strides[2] = {cuuint64_t(stride_h) * elem_bytes, cuuint64_t(stride_t) * elem_bytes};
   cuuint32_t box[3] = {cuuint32_t(ROW_BYTES / elem_bytes), 1, cuuint32_t(rows)};
   cuuint32_t elem_strides[3] = {1, 1, 1};

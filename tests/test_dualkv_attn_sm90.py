@@ -1,4 +1,4 @@
-"""Native sm_90 kernels (csrc/dualkv_{fwd,bwd}_sm90.cu): on a Hopper GPU, the default backend's
+"""Native sm_90 kernels (csrc/dualkv_*_sm90.cu): on a Hopper GPU, the default backend's
 outputs and gradients within 2x the error of the same-precision PyTorch reference, on fuzzed and edge layouts;
 elsewhere, that it is never chosen."""
 import pytest
@@ -31,17 +31,19 @@ def test_not_chosen_off_hopper_or_outside_its_cases():
 
 
 @hopper
-def test_chosen_on_hopper():
-    assert native_supported(*tensors(device="cuda"), None, None, False)
+@pytest.mark.parametrize("d", [128, 256])
+def test_chosen_on_hopper(d):
+    assert native_supported(*tensors(d, device="cuda"), None, None, False)
 
 
 @hopper
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)])
-def test_edge_layouts(dtype, heads):
-    # P and R of 1, a prompt split into query chunks (fp32 partials), partial 128-key tiles, padding
+def test_edge_layouts(dtype, heads, d):
+    # P and R of 1, a prompt split into query chunks (fp32 partials), partial key tiles, padding
     layout = DualKVLayout((1, 3000, 130), ((1, 1, 5), (500,) * 6, (127, 1, 129, 64)), pad_len=7).to("cuda")
-    check_flash_style(layout, *heads, 128, dtype, backend="auto")
+    check_flash_style(layout, *heads, d, dtype, backend="auto")
 
 
 @hopper
@@ -49,8 +51,9 @@ def test_edge_layouts(dtype, heads):
     rollout_groups(max_groups=5, max_prompt=900, max_responses=8, max_response=300),
     st.sampled_from([(8, 2), (4, 4), (6, 1), (16, 2)]),
     st.sampled_from([torch.bfloat16, torch.float16]),
+    st.sampled_from([128, 256]),
 )
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-def test_fuzzed_layouts(groups, heads, dtype):
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_fuzzed_layouts(groups, heads, dtype, d):
     layout = pack_groups(groups, pad_to_multiple_of=8).layout.to("cuda")
-    check_flash_style(layout, *heads, 128, dtype, backend="auto")
+    check_flash_style(layout, *heads, d, dtype, backend="auto")

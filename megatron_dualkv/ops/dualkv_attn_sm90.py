@@ -1,19 +1,20 @@
-"""Native Hopper kernels of DualKV attention: ``csrc/dualkv_{fwd,bwd}_sm90.cu``, built on first use.
+"""Native Hopper kernels of DualKV attention: ``csrc/dualkv_*_sm90.cu``, built on first use.
 
 The Triton kernels (``dualkv_attn.py``) are the portable backend. On an sm_90 GPU the default
-backend runs, where they apply, two native kernels on wgmma instructions fed by TMA (a producer
+backend runs, where they apply, native kernels on wgmma instructions fed by TMA (a producer
 warpgroup and two consumer warpgroups):
 
-* the forward, one program per (128-row query tile, query head), reading the Triton forward's
-  tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M`` rows);
-* the backward as ONE pass: dK/dV per 128-key tile with dQ accumulated in the same pass (5
-  matmuls per block pair instead of the Triton plan's 7) through TMA bulk reductions, reading the
-  dK/dV tables (``key_items`` with ``NATIVE_BLOCK_N`` keys and ``NATIVE_BLOCK_M`` queries) and
-  writing the same fp32 chunk partials, reduced by the Triton reduction kernel.
+* head dim 128, the forward: one program per (128-row query tile, query head), reading the Triton
+  forward's tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M`` rows);
+* head dims 128 and 256, the backward as ONE pass: dK/dV per key tile with dQ accumulated in the
+  same pass (5 matmuls per block pair instead of the Triton plan's 7) through TMA bulk
+  reductions, reading the dK/dV tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and
+  ``NATIVE_BLOCK_M`` queries) and writing the same fp32 chunk partials, reduced by the Triton
+  reduction kernel. At head dim 256 the forward stays on Triton.
 
-Covered: head dim 128, bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is added
-with fp32 reductions in whatever order they land), 16-byte aligned tensors (TMA). Everything
-else stays on Triton.
+Covered: bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is added with fp32
+reductions in whatever order they land), 16-byte aligned tensors (TMA). Everything else stays on
+Triton.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ import torch
 from .._resources import resource_dir
 from .checks import tma_aligned
 
-NATIVE_HEAD_DIM = 128
+NATIVE_FWD_HEAD_DIM = 128  # the head dim of the native forward
 NATIVE_FWD_BLOCK_M = 128  # forward: query rows per program
 NATIVE_BLOCK_M = 64  # backward: queries per step
-NATIVE_BLOCK_N = 128  # backward: keys per program
+NATIVE_BLOCK_N = {128: 128, 256: 64}  # backward, per head dim: keys per program
 CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 
@@ -43,7 +44,8 @@ def _extension():
     try:
         from torch.utils.cpp_extension import load
 
-        sources = [str(CSRC / name) for name in ("dualkv_sm90.cpp", "dualkv_fwd_sm90.cu", "dualkv_bwd_sm90.cu")]
+        sources = [str(CSRC / name) for name in ("dualkv_sm90.cpp", "dualkv_fwd_sm90.cu", "dualkv_bwd_sm90.cu",
+                                                     "dualkv_bwd_d256_sm90.cu")]
         return load(name="dualkv_sm90", sources=sources,
                     extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
                     extra_cflags=["-O3", "-std=c++17"])
@@ -55,10 +57,11 @@ def _extension():
 
 def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size: Optional[int],
                      softcap: Optional[float], deterministic: bool) -> bool:
-    """Whether the native kernels cover this call (then the extension is built or loaded)."""
+    """Whether the native backward covers this call (then the extension is built or loaded); the
+    native forward also needs ``q.shape[2] == NATIVE_FWD_HEAD_DIM``."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    if q.shape[2] != NATIVE_HEAD_DIM or q.dtype not in (torch.bfloat16, torch.float16):
+    if q.shape[2] not in NATIVE_BLOCK_N or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if window_size is not None or softcap is not None or deterministic:
         return False
@@ -75,11 +78,11 @@ def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float) -> None:
 
 
 def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale: float) -> None:
-    """One native dK/dV pass with fused dQ.
+    """One native dK/dV pass with fused dQ, head dim D = 128 or 256, key tiles of N = NATIVE_BLOCK_N[D].
 
-    q, do (T, Hq, 128); k, v (T, Hkv, 128); lse, delta (Hq, T) fp32; items (n, 5) int32 from
-    ``key_items(layout, NATIVE_BLOCK_N, NATIVE_BLOCK_M, ...)``. Writes dk, dv (T, Hkv, 128) rows of
-    unsplit tiles, fp32 partials (slots * 128, Hkv, 128) of split ones, and adds dQ (softmax scale
-    included) to the zeroed fp32 dq_acc (T, Hq, 128).
+    q, do (T, Hq, D); k, v (T, Hkv, D); lse, delta (Hq, T) fp32; items (n, 5) int32 from
+    ``key_items(layout, N, NATIVE_BLOCK_M, ...)``. Writes dk, dv (T, Hkv, D) rows of unsplit
+    tiles, fp32 partials (slots * N, Hkv, D) of split ones, and adds dQ (softmax scale included)
+    to the zeroed fp32 dq_acc (T, Hq, D).
     """
     _extension().dkdv_dq(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale)
