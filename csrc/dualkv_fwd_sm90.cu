@@ -1,39 +1,40 @@
-// Native Hopper (sm_90a) forward of DualKV attention for head dim 128, on wgmma instructions fed
-// by TMA.
+// Native Hopper (sm_90a) forward of DualKV attention for head dims 128 and 256, on wgmma
+// instructions fed by TMA.
 //
 // One CTA per (query tile of 128 rows inside one segment, query head): the tables of the Triton
 // forward (megatron_dualkv/ops/dualkv_attn.py, query_tiles with 128-row tiles). Warpgroup 0 is
-// the producer: one warp streams K/V blocks of 128 keys into a 3-stage ring, first the group's
-// prompt (every key visible; the last block is cut at the prompt's end), then the tile's own
-// segment up to the tile's end (causal). Warpgroups 1 and 2 own 64 query rows each and keep
-// flash-attention 2's online softmax in registers (log2 units, scale_log2 = softmax scale * log2 e):
-//     S = Q_w K^T (64 x 128, wgmma from shared memory)
+// the producer: one warp streams blocks of BLOCK_N keys (128 at D = 128, 64 at D = 256) into
+// 2-stage K and V rings, first the group's prompt (every key visible; the last block is cut at
+// the prompt's end), then the tile's own segment up to the tile's end (causal). Warpgroups 1 and 2
+// own 64 query rows each and keep flash-attention 2's online softmax in registers (log2 units,
+// scale_log2 = softmax scale * log2 e):
+//     S = Q_w K^T (64 x BLOCK_N, wgmma from shared memory)
 //     m' = max(m, rowmax S * scale_log2),  P = 2^(S * scale_log2 - m')
 //     l = l 2^(m - m') + rowsum P,  O = O 2^(m - m') + P V   (P V: P stays in registers as the
-//                                                              A operand)
+//                                                              A operand; 128 columns per wgmma)
 //     at the end O /= l and lse = m + log2 l, as the Triton forward stores it.
 // The consumer warpgroups take turns issuing their matmuls (ping-pong, see the main loop), so that
-// one's softmax overlaps the other's matmuls on the tensor cores.
+// one's softmax overlaps the other's matmuls on the tensor cores. O takes D / 2 registers per
+// thread (128 at D = 256), hence the smaller key blocks there.
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
 
 namespace dualkv_sm90 {
 namespace {
 
-constexpr int HEAD_DIM = 128;
-constexpr int PANELS = HEAD_DIM / 64;
 constexpr int BLOCK_M = 128;  // query rows per CTA: two consumer warpgroups of 64
-constexpr int BLOCK_N = 128;  // keys per step
-constexpr int STAGES = 3;  // K/V of block b-1 are held while block b is loaded
+constexpr int STAGES = 2;     // per ring; K of block b is released after S_b, V after P_b V_b
 constexpr int THREADS = 384;
 
+template <int D, int BLOCK_N>
 struct alignas(1024) SharedStorage {
+  static constexpr int PANELS = D / 64;
   uint8_t q[PANELS][BLOCK_M * ROW_BYTES];
   uint8_t k[STAGES][PANELS][BLOCK_N * ROW_BYTES];
   uint8_t v[STAGES][PANELS][BLOCK_N * ROW_BYTES];
   uint64_t q_full;
-  uint64_t full[STAGES];
-  uint64_t empty[STAGES];
+  uint64_t k_full[STAGES], k_empty[STAGES];
+  uint64_t v_full[STAGES], v_empty[STAGES];
 };
 
 struct KernelParams {
@@ -47,12 +48,14 @@ struct KernelParams {
 
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
 // (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e).
-template <typename T>
+template <typename T, int D, int BLOCK_N>
 __global__ void __launch_bounds__(THREADS, 1)
     fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                const __grid_constant__ CUtensorMap tm_v, const KernelParams p) {
+  using Storage = SharedStorage<D, BLOCK_N>;
+  constexpr int PANELS = Storage::PANELS;
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage& s = aligned_shared<SharedStorage>(smem_raw);
+  Storage& s = aligned_shared<Storage>(smem_raw);
 
   // heads vary fastest, so the heaviest tiles (tables are sorted heaviest first) start first
   const int h = blockIdx.x % p.num_heads;
@@ -65,8 +68,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (threadIdx.x == 0) {
     mbar_init(&s.q_full, 1);
     for (int i = 0; i < STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], 8);  // one lane per consumer warp
+      mbar_init(&s.k_full[i], 1);
+      mbar_init(&s.v_full[i], 1);
+      mbar_init(&s.k_empty[i], 8);  // one lane per consumer warp
+      mbar_init(&s.v_empty[i], 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -76,17 +81,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     setmaxnreg_dec<24>();
     if (threadIdx.x != 0) return;
     const int hk = h / p.group;
-    mbar_arrive_expect_tx(&s.q_full, BLOCK_M * HEAD_DIM * sizeof(T));
+    mbar_arrive_expect_tx(&s.q_full, BLOCK_M * D * sizeof(T));
     for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.q[pnl], &tm_q, &s.q_full, 64 * pnl, h, q_start);
     for (int b = 0; b < blocks; ++b) {
-      const int st = b % STAGES;
+      const int st = b % STAGES, phase = ((b / STAGES) & 1) ^ 1;
       const int key0 = b < prefix_blocks ? prefix_start + b * BLOCK_N : seg_start + (b - prefix_blocks) * BLOCK_N;
-      mbar_wait(&s.empty[st], ((b / STAGES) & 1) ^ 1);
-      mbar_arrive_expect_tx(&s.full[st], 2 * BLOCK_N * HEAD_DIM * sizeof(T));
-      for (int pnl = 0; pnl < PANELS; ++pnl) {
-        tma_load(s.k[st][pnl], &tm_k, &s.full[st], 64 * pnl, hk, key0);
-        tma_load(s.v[st][pnl], &tm_v, &s.full[st], 64 * pnl, hk, key0);
-      }
+      mbar_wait(&s.k_empty[st], phase);
+      mbar_arrive_expect_tx(&s.k_full[st], BLOCK_N * D * sizeof(T));
+      for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.k[st][pnl], &tm_k, &s.k_full[st], 64 * pnl, hk, key0);
+      mbar_wait(&s.v_empty[st], phase);
+      mbar_arrive_expect_tx(&s.v_full[st], BLOCK_N * D * sizeof(T));
+      for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.v[st][pnl], &tm_v, &s.v_full[st], 64 * pnl, hk, key0);
     }
     return;
   }
@@ -99,12 +104,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int wg_first = q_start + 64 * wg - seg_start;  // the warpgroup's first row, as a segment index
   const int row_index = wg_first + 16 * wq + g;        // this thread's first row (second: + 8)
 
-  float o[64];
+  float o[D / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float sc[64];
-  uint32_t pa[32];  // P of the last block, bf16/fp16, the A operand of its P V
+  float sc[BLOCK_N / 2];
+  uint32_t pa[BLOCK_N / 4];  // P of the last block, bf16/fp16, the A operand of its P V
 
   // Online softmax of block b on S in sc: P into pa, l and m updated, O rescaled
   const auto softmax = [&](int b) {
@@ -113,7 +118,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int key_index0 = (in_prefix ? b : b - prefix_blocks) * BLOCK_N;
     if (in_prefix ? key_index0 + BLOCK_N > prefix_len : key_index0 + BLOCK_N - 1 > wg_first) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < BLOCK_N / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key_index0 + 8 * i + 2 * c + (e & 1);
@@ -123,7 +128,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < BLOCK_N / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) row_max[e >> 1] = fmaxf(row_max[e >> 1], sc[4 * i + e]);
     }
@@ -140,32 +145,41 @@ __global__ void __launch_bounds__(THREADS, 1)
       l[r] *= alpha[r];
     }
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < BLOCK_N / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float x = exp2_approx(sc[4 * i + e] * p.scale_log2 - m_sub[e >> 1]);
         sc[4 * i + e] = x;
         l[e >> 1] += x;
-        o[4 * i + e] *= alpha[e >> 1];
       }
+    }
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * i + e] *= alpha[e >> 1];
     }
     pack_fragments<T>(sc, pa);
   };
   // S = Q_w K^T of block b
   const auto issue_s = [&](int b) {
-    mma_ss_head_dim<T, HEAD_DIM>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[b % STAGES][0], sizeof(s.k[0][0]));
+    mma_ss_head_dim<T, D>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[b % STAGES][0], sizeof(s.k[0][0]));
   };
-  // O += P V of block b: B = V read N-major (head dim contiguous), k-steps of 16 keys
-  const auto issue_pv = [&](int b) { mma_rs<T, BLOCK_N / 16>(o, pa, s.v[b % STAGES][0], BLOCK_N * ROW_BYTES); };
+  // O += P V of block b in 128-column chunks: B = V read N-major (head dim contiguous), k-steps of 16 keys
+  const auto issue_pv = [&](int b) {
+#pragma unroll
+    for (int chunk = 0; chunk < D / 128; ++chunk)
+      mma_rs<T, BLOCK_N / 16>(*reinterpret_cast<float(*)[64]>(o + 64 * chunk), pa, s.v[b % STAGES][2 * chunk],
+                              BLOCK_N * ROW_BYTES);
+  };
   const auto wait_all = [&] {
     wgmma_wait<0>();
     fence_regs(sc);
     fence_regs(o);
     fence_regs(pa);
   };
-  const auto release = [&](int b) {  // this warp is done with block b's K and V
+  const auto release = [&](uint64_t* empty) {  // this warp is done with a K or V block
     __syncwarp();
-    if (lane == 0) mbar_arrive(&s.empty[b % STAGES]);
+    if (lane == 0) mbar_arrive(empty);
   };
 
   // Ping-pong: a warpgroup issues P V of block b-1 and S of block b back to back in its turn,
@@ -174,30 +188,33 @@ __global__ void __launch_bounds__(THREADS, 1)
   // to insert waits there (PERF_NOTES.md, session 4). Warpgroup 0 takes the first turn.
   if (wg == 1) turn_pass(wg);
   mbar_wait(&s.q_full, 0);
-  mbar_wait(&s.full[0], 0);
+  mbar_wait(&s.k_full[0], 0);
   turn_wait(wg);
   wgmma_fence();
   issue_s(0);
   turn_pass(wg);
   wait_all();
+  release(&s.k_empty[0]);
   softmax(0);
   for (int b = 1; b < blocks; ++b) {
-    mbar_wait(&s.full[b % STAGES], (b / STAGES) & 1);
+    mbar_wait(&s.k_full[b % STAGES], (b / STAGES) & 1);
+    mbar_wait(&s.v_full[(b - 1) % STAGES], ((b - 1) / STAGES) & 1);
     turn_wait(wg);
     wgmma_fence();
     issue_pv(b - 1);
     issue_s(b);
     turn_pass(wg);
     wait_all();
-    release(b - 1);
+    release(&s.k_empty[b % STAGES]);
+    release(&s.v_empty[(b - 1) % STAGES]);
     softmax(b);
   }
+  mbar_wait(&s.v_full[(blocks - 1) % STAGES], ((blocks - 1) / STAGES) & 1);
   turn_wait(wg);
   wgmma_fence();
   issue_pv(blocks - 1);
   turn_pass(wg);
   wait_all();
-  release(blocks - 1);
   if (wg == 0) turn_wait(wg);  // the pass warpgroup 1 made last
 
   // O / l and lse; rows past the tile (a partial last tile) are not stored
@@ -210,21 +227,22 @@ __global__ void __launch_bounds__(THREADS, 1)
     const float inv = 1.f / l[r];  // every row sees at least its own key
     T* out = static_cast<T*>(p.out) + row * p.out_stride_t + h * p.out_stride_h + 2 * c;
 #pragma unroll
-    for (int i = 0; i < 16; ++i)
+    for (int i = 0; i < D / 8; ++i)
       *reinterpret_cast<uint32_t*>(out + 8 * i) = pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
     if (c == 0) p.lse[int64_t(h) * p.T + row] = m[r] + __log2f(l[r]);
   }
 }
 
-template <typename T>
+template <typename T, int D, int BLOCK_N>
 void launch(const FwdArgs& a, cudaStream_t stream) {
-  const auto kernel = fwd_kernel<T>;
-  constexpr int SMEM_BYTES = shared_bytes<SharedStorage>();
+  const auto kernel = fwd_kernel<T, D, BLOCK_N>;
+  constexpr int SMEM_BYTES = shared_bytes<SharedStorage<D, BLOCK_N>>();
+  static_assert(SMEM_BYTES <= 227 * 1024, "over the shared memory of an sm_90 CTA");
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, HEAD_DIM, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
-  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
-  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
+  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, D, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
+  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
+  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
   const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
                        a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E)};
   kernel<<<a.n_tiles * a.num_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, p);
@@ -234,7 +252,13 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
 
 void fwd(const FwdArgs& args, void* stream) {
   if (args.n_tiles == 0) return;
-  launch_for_dtype(args.fp16, [&](auto t) { launch<decltype(t)>(args, static_cast<cudaStream_t>(stream)); });
+  const auto s = static_cast<cudaStream_t>(stream);
+  launch_for_dtype(args.fp16, [&](auto t) {
+    if (args.head_dim == 128)
+      launch<decltype(t), 128, 128>(args, s);
+    else
+      launch<decltype(t), 256, 64>(args, s);
+  });
 }
 
 }  // namespace dualkv_sm90

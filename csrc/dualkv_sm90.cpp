@@ -79,20 +79,23 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
          const at::Tensor& lse, double sm_scale) {
-  check_heads(q, "q", 128);
-  check_heads(k, "k", 128);
-  check_heads(v, "v", 128);
-  check_heads(out, "out", 128);
+  const int64_t D = q.dim() == 3 ? q.size(2) : 0;
+  TORCH_CHECK(D == 128 || D == 256, "the native forward takes head dim 128 or 256, got q of shape ", q.sizes());
+  check_heads(q, "q", D);
+  check_heads(k, "k", D);
+  check_heads(v, "v", D);
+  check_heads(out, "out", D);
   check_fp32(lse, "lse");
   check_dtype(q, {&k, &v, &out}, "q, k, v, out");
   check_table(tiles, "tiles");
   const int T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
   TORCH_CHECK(k.size(0) == T && v.sizes() == k.sizes() && out.sizes() == q.sizes() && Hq % Hkv == 0 &&
-                  lse.numel() == int64_t(Hq) * T, "shapes: q/out (T, Hq, 128), k/v (T, Hkv, 128), lse (Hq, T)");
+                  lse.numel() == int64_t(Hq) * T, "shapes: q/out (T, Hq, D), k/v (T, Hkv, D), lse (Hq, T)");
 
   const c10::cuda::CUDAGuard guard(q.device());
   dualkv_sm90::FwdArgs a{};
   a.qkv = qkv_of(q, k, v);
+  a.head_dim = D;
   a.tiles = tiles.data_ptr<int32_t>();
   a.n_tiles = tiles.size(0);
   a.out = out.data_ptr();
@@ -107,6 +110,6 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fwd", &fwd, "DualKV forward, head dim 128, sm_90a");
+  m.def("fwd", &fwd, "DualKV forward, head dim 128 or 256, sm_90a");
   m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128 or 256, sm_90a");
 }

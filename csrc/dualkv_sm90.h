@@ -5,20 +5,21 @@
 
 namespace dualkv_sm90 {
 
-// q (T, Hq, 128), k and v (T, Hkv, 128): base pointers and element strides of the token and head dims
+// q (T, Hq, D), k and v (T, Hkv, D): base pointers and element strides of the token and head dims
 struct QKV {
   const void* q; const void* k; const void* v;
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
 };
 
-// Forward, head dim 128. One program per (tiles row, query head): tiles (n_tiles, 5) int32 rows
-// (q_start, q_end, seg_start, prefix_start, prefix_len) as built by
+// Forward, head dim 128 or 256. One program per (tiles row, query head): tiles (n_tiles, 5) int32
+// rows (q_start, q_end, seg_start, prefix_start, prefix_len) as built by
 // megatron_dualkv.ops.dualkv_attn.query_tiles with 128-row tiles.
 struct FwdArgs {
   QKV qkv;
+  int head_dim;
   const int32_t* tiles;
   int n_tiles;
-  void* out;  // (T, Hq, 128)
+  void* out;  // (T, Hq, D)
   int64_t out_stride_t, out_stride_h;
   float* lse;  // (Hq, T), log2 units
   int T, num_heads, num_kv_heads;
@@ -28,10 +29,10 @@ struct FwdArgs {
 
 void fwd(const FwdArgs& args, void* stream);
 
-// dK/dV pass with fused dQ, head dim 128. Tensors are (T, H, 128) with unit last stride; strides
-// in elements. One program per (items row, key/value head): items (n_items, 5) int32 rows
-// (k_start, k_end, q_lo, q_hi, slot) as built by megatron_dualkv.ops.dualkv_attn.key_items with
-// 128-key tiles and 64-query blocks.
+// dK/dV pass with fused dQ. Tensors are (T, H, D) with unit last stride; strides in elements. One
+// program per (items row, key/value head): items (n_items, 5) int32 rows (k_start, k_end, q_lo,
+// q_hi, slot) as built by megatron_dualkv.ops.dualkv_attn.key_items with N-key tiles and 64-query
+// blocks; N = 128 at D = 128 (dkdv_dq), 64 at D = 256 (dkdv_dq_d256).
 struct DkdvArgs {
   QKV qkv;
   const void* dout;
@@ -40,18 +41,16 @@ struct DkdvArgs {
   const float* delta;  // (Hq, T)
   const int32_t* items;
   int n_items;
-  void* dk; void* dv;  // (T, Hkv, 128), written where slot < 0
+  void* dk; void* dv;  // (T, Hkv, D), written where slot < 0
   int64_t dk_stride_t, dk_stride_h, dv_stride_t, dv_stride_h;
-  float* partial_dk; float* partial_dv;  // (slots * 128, Hkv, 128) fp32, written where slot >= 0
-  float* dq_acc;                        // (T, Hq, 128) fp32, zeroed by the caller; receives dQ (scaled)
+  float* partial_dk; float* partial_dv;  // (slots * N, Hkv, D) fp32, written where slot >= 0
+  float* dq_acc;                        // (T, Hq, D) fp32, zeroed by the caller; receives dQ (scaled)
   int T, num_heads, num_kv_heads;
   double sm_scale;     // softmax scale
   bool fp16;           // else bf16
 };
 
-void dkdv_dq(const DkdvArgs& args, void* stream);
-// the same pass for head dim 256: tensors (T, H, 256), items built with 64-key tiles and 64-query
-// blocks, partials (slots * 64, Hkv, 256)
-void dkdv_dq_d256(const DkdvArgs& args, void* stream);
+void dkdv_dq(const DkdvArgs& args, void* stream);       // D = 128
+void dkdv_dq_d256(const DkdvArgs& args, void* stream);  // D = 256
 
 }  // namespace dualkv_sm90

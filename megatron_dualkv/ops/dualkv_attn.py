@@ -49,8 +49,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import DualKVLayout
 from .checks import check_attention_inputs, tma_aligned
-from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, NATIVE_FWD_HEAD_DIM, dkdv_dq_sm90,
-                               fwd_sm90, native_supported)
+from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, dkdv_dq_sm90, fwd_sm90,
+                               native_supported)
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # larger than any position: "window" that never masks
@@ -533,11 +533,6 @@ def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> Option
 NATIVE_FWD = KernelConfig(NATIVE_FWD_BLOCK_M, 128, num_warps=12, num_stages=2)
 
 
-def native_forward(head_dim: int, native: bool) -> bool:
-    """The native kernels cover the backward at every head dim they take, the forward at one."""
-    return native and head_dim == NATIVE_FWD_HEAD_DIM
-
-
 def backward_plan(head_dim: int, device: torch.device, deterministic: bool, native: bool = False):
     """(config of the separate dQ pass, or None when the dK/dV pass accumulates dQ; dK/dV config)."""
     if native:
@@ -659,7 +654,7 @@ class KernelTables:
 def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
                   native: bool = False) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
-    fwd = NATIVE_FWD if native_forward(head_dim, native) else kernel_config("fwd", head_dim, layout.device)
+    fwd = NATIVE_FWD if native else kernel_config("fwd", head_dim, layout.device)
     dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
     fwd_tiles = query_tiles(layout, fwd.block_m)
@@ -679,7 +674,7 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
     T, Hq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-    if native_forward(D, native):
+    if native:
         fwd_sm90(q, k, v, tiles, out, lse, sm_scale)
         return out, lse
     cfg = kernel_config("fwd", D, q.device)
@@ -756,8 +751,7 @@ def dualkv_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd_ti
                        positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
                        softcap: Optional[float], deterministic: bool, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward's tables and plan ride along
-    for autograd. ``native``: the sm_90 kernels (dualkv_attn_sm90.py) for the passes that have one
-    at this head dim."""
+    for autograd. ``native``: the sm_90 kernels (dualkv_attn_sm90.py) for both passes."""
     return _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap, native)
 
 

@@ -4,17 +4,16 @@ The Triton kernels (``dualkv_attn.py``) are the portable backend. On an sm_90 GP
 backend runs, where they apply, native kernels on wgmma instructions fed by TMA (a producer
 warpgroup and two consumer warpgroups):
 
-* head dim 128, the forward: one program per (128-row query tile, query head), reading the Triton
-  forward's tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M`` rows);
-* head dims 128 and 256, the backward as ONE pass: dK/dV per key tile with dQ accumulated in the
-  same pass (5 matmuls per block pair instead of the Triton plan's 7) through TMA bulk
-  reductions, reading the dK/dV tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and
-  ``NATIVE_BLOCK_M`` queries) and writing the same fp32 chunk partials, reduced by the Triton
-  reduction kernel. At head dim 256 the forward stays on Triton.
+* the forward, one program per (128-row query tile, query head), reading the Triton forward's
+  tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M`` rows);
+* the backward as ONE pass: dK/dV per key tile with dQ accumulated in the same pass (5 matmuls
+  per block pair instead of the Triton plan's 7) through TMA bulk reductions, reading the dK/dV
+  tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and ``NATIVE_BLOCK_M`` queries)
+  and writing the same fp32 chunk partials, reduced by the Triton reduction kernel.
 
-Covered: bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is added with fp32
-reductions in whatever order they land), 16-byte aligned tensors (TMA). Everything else stays on
-Triton.
+Covered: head dims 128 and 256, bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is
+added with fp32 reductions in whatever order they land), 16-byte aligned tensors (TMA).
+Everything else stays on Triton.
 """
 from __future__ import annotations
 
@@ -28,10 +27,9 @@ import torch
 from .._resources import resource_dir
 from .checks import tma_aligned
 
-NATIVE_FWD_HEAD_DIM = 128  # the head dim of the native forward
 NATIVE_FWD_BLOCK_M = 128  # forward: query rows per program
 NATIVE_BLOCK_M = 64  # backward: queries per step
-NATIVE_BLOCK_N = {128: 128, 256: 64}  # backward, per head dim: keys per program
+NATIVE_BLOCK_N = {128: 128, 256: 64}  # backward, per head dim (the ones covered): keys per program
 CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 
@@ -57,8 +55,7 @@ def _extension():
 
 def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size: Optional[int],
                      softcap: Optional[float], deterministic: bool) -> bool:
-    """Whether the native backward covers this call (then the extension is built or loaded); the
-    native forward also needs ``q.shape[2] == NATIVE_FWD_HEAD_DIM``."""
+    """Whether the native kernels cover this call (then the extension is built or loaded)."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     if q.shape[2] not in NATIVE_BLOCK_N or q.dtype not in (torch.bfloat16, torch.float16):
@@ -71,9 +68,9 @@ def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_s
 
 
 def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float) -> None:
-    """Native forward. q (T, Hq, 128); k, v (T, Hkv, 128); tiles (n, 5) int32 from
-    ``query_tiles(layout, NATIVE_FWD_BLOCK_M)``. Writes out (T, Hq, 128) and lse (Hq, T) fp32 in
-    log2 units."""
+    """Native forward, head dim D = 128 or 256. q (T, Hq, D); k, v (T, Hkv, D); tiles (n, 5) int32
+    from ``query_tiles(layout, NATIVE_FWD_BLOCK_M)``. Writes out (T, Hq, D) and lse (Hq, T) fp32
+    in log2 units."""
     _extension().fwd(q, k, v, tiles, out, lse, sm_scale)
 
 
