@@ -60,7 +60,9 @@ METHODS = ["dualkv", "dualkv_triton", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_
 def bench(fn, grad_to_none=None) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median")
+    # warmup and rep are milliseconds: enough for ~25 timed runs of a 20 ms fwd+bwd, after the
+    # GPU has left its idle clocks (PERF_NOTES.md, session 5, run Z)
+    return triton.testing.do_bench(fn, warmup=300, rep=500, grad_to_none=grad_to_none, return_mode="median")
 
 
 def sbhd_attention(query, key, value, attend, repeat_kv: bool = True):
