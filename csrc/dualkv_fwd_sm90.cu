@@ -1,12 +1,13 @@
-// Native Hopper (sm_90a) forward of DualKV attention for head dims 128 and 256, on wgmma
+// Native Hopper (sm_90a) forward of DualKV attention for head dims 128, 256 and 512, on wgmma
 // instructions fed by TMA.
 //
-// One CTA per (query tile of 128 rows inside one segment, query head): the tables of the Triton
-// forward (megatron_dualkv/ops/dualkv_attn.py, query_tiles with 128-row tiles). Warpgroup 0 is
-// the producer: one warp streams blocks of BLOCK_N keys (128 at D = 128, 64 at D = 256) into
-// 2-stage K and V rings, first the group's prompt (every key visible; the last block is cut at
-// the prompt's end), then the tile's own segment up to the tile's end (causal). Warpgroups 1 and 2
-// own 64 query rows each and keep flash-attention 2's online softmax in registers (log2 units,
+// One CTA per (query tile inside one segment, query head): the tables of the Triton forward
+// (megatron_dualkv/ops/dualkv_attn.py, query_tiles with Split<D>::BLOCK_M-row tiles). Warpgroup 0
+// is the producer: one warp streams blocks of BLOCK_N keys (128 at D = 128, 64 at D = 256, 32 at
+// D = 512) into 2-stage K and V rings, first the group's prompt (every key visible; the last block
+// is cut at the prompt's end), then the tile's own segment up to the tile's end (causal).
+// Warpgroups 1 and 2 own 64 query rows each (at D = 512: the same 64 rows, half the columns each;
+// see Split) and keep flash-attention 2's online softmax in registers (log2 units,
 // scale_log2 = softmax scale * log2 e):
 //     S = Q_w K^T (64 x BLOCK_N, wgmma from shared memory)
 //     m' = max(m, rowmax S * scale_log2),  P = 2^(S * scale_log2 - m')
@@ -14,22 +15,31 @@
 //                                                              A operand; 128 columns per wgmma)
 //     at the end O /= l and lse = m + log2 l, as the Triton forward stores it.
 // The consumer warpgroups take turns issuing their matmuls (ping-pong, see the main loop), so that
-// one's softmax overlaps the other's matmuls on the tensor cores. O takes D / 2 registers per
-// thread (128 at D = 256), hence the smaller key blocks there.
+// one's softmax overlaps the other's matmuls on the tensor cores. O takes 128 registers per thread
+// at D = 256 and 512, hence the smaller key blocks there.
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
 
 namespace dualkv_sm90 {
 namespace {
 
-constexpr int BLOCK_M = 128;  // query rows per CTA: two consumer warpgroups of 64
-constexpr int STAGES = 2;     // per ring; K of block b is released after S_b, V after P_b V_b
+constexpr int STAGES = 2;  // per ring; K of block b is released after S_b, V after P_b V_b
 constexpr int THREADS = 384;
+
+// How the two consumer warpgroups share a CTA's query tile. Up to D = 256 each owns 64 rows and
+// all columns (O: D / 2 registers per thread). At D = 512 that would be 256 registers, so each
+// owns half the columns of the same 64 rows instead, and both compute the same S.
+template <int D>
+struct Split {
+  static constexpr bool COLUMNS = D > 256;
+  static constexpr int BLOCK_M = COLUMNS ? 64 : 128;  // query rows per CTA
+  static constexpr int O_COLS = COLUMNS ? D / 2 : D;  // output columns per warpgroup
+};
 
 template <int D, int BLOCK_N>
 struct alignas(1024) SharedStorage {
   static constexpr int PANELS = D / 64;
-  uint8_t q[PANELS][BLOCK_M * ROW_BYTES];
+  uint8_t q[PANELS][Split<D>::BLOCK_M * ROW_BYTES];
   uint8_t k[STAGES][PANELS][BLOCK_N * ROW_BYTES];
   uint8_t v[STAGES][PANELS][BLOCK_N * ROW_BYTES];
   uint64_t q_full;
@@ -54,6 +64,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                const __grid_constant__ CUtensorMap tm_v, const KernelParams p) {
   using Storage = SharedStorage<D, BLOCK_N>;
   constexpr int PANELS = Storage::PANELS;
+  constexpr bool SPLIT_COLUMNS = Split<D>::COLUMNS;
+  constexpr int BLOCK_M = Split<D>::BLOCK_M, O_COLS = Split<D>::O_COLS;
   extern __shared__ uint8_t smem_raw[];
   Storage& s = aligned_shared<Storage>(smem_raw);
 
@@ -98,15 +110,17 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // -------------------------------------------------------------------------------- consumers
   setmaxnreg_inc<240>();
-  const int wg = warp / 4 - 1;  // query rows [64 wg, 64 wg + 64) of the tile
+  const int wg = warp / 4 - 1;  // rows [64 wg, 64 wg + 64) of the tile, or columns [O_COLS wg, + O_COLS)
   const int wq = warp % 4;
   const int g = lane / 4, c = lane % 4;
-  const int wg_first = q_start + 64 * wg - seg_start;  // the warpgroup's first row, as a segment index
+  const int row0 = SPLIT_COLUMNS ? 0 : 64 * wg;        // the warpgroup's first row in the tile
+  const int col0 = SPLIT_COLUMNS ? O_COLS * wg : 0;    // and its first output column
+  const int wg_first = q_start + row0 - seg_start;     // the warpgroup's first row, as a segment index
   const int row_index = wg_first + 16 * wq + g;        // this thread's first row (second: + 8)
 
-  float o[D / 2];
+  float o[O_COLS / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  for (int i = 0; i < O_COLS / 2; ++i) o[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float sc[BLOCK_N / 2];
   uint32_t pa[BLOCK_N / 4];  // P of the last block, bf16/fp16, the A operand of its P V
@@ -154,7 +168,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
+    for (int i = 0; i < O_COLS / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[4 * i + e] *= alpha[e >> 1];
     }
@@ -162,14 +176,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   // S = Q_w K^T of block b
   const auto issue_s = [&](int b) {
-    mma_ss_head_dim<T, D>(sc, s.q[0] + 64 * wg * ROW_BYTES, sizeof(s.q[0]), s.k[b % STAGES][0], sizeof(s.k[0][0]));
+    mma_ss_head_dim<T, D>(sc, s.q[0] + row0 * ROW_BYTES, sizeof(s.q[0]), s.k[b % STAGES][0], sizeof(s.k[0][0]));
   };
   // O += P V of block b in 128-column chunks: B = V read N-major (head dim contiguous), k-steps of 16 keys
   const auto issue_pv = [&](int b) {
 #pragma unroll
-    for (int chunk = 0; chunk < D / 128; ++chunk)
-      mma_rs<T, BLOCK_N / 16>(*reinterpret_cast<float(*)[64]>(o + 64 * chunk), pa, s.v[b % STAGES][2 * chunk],
-                              BLOCK_N * ROW_BYTES);
+    for (int chunk = 0; chunk < O_COLS / 128; ++chunk)
+      mma_rs<T, BLOCK_N / 16>(*reinterpret_cast<float(*)[64]>(o + 64 * chunk), pa,
+                              s.v[b % STAGES][col0 / 64 + 2 * chunk], BLOCK_N * ROW_BYTES);
   };
   const auto wait_all = [&] {
     wgmma_wait<0>();
@@ -225,11 +239,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int64_t row = seg_start + row_index + 8 * r;
     if (row >= q_end) continue;
     const float inv = 1.f / l[r];  // every row sees at least its own key
-    T* out = static_cast<T*>(p.out) + row * p.out_stride_t + h * p.out_stride_h + 2 * c;
+    T* out = static_cast<T*>(p.out) + row * p.out_stride_t + h * p.out_stride_h + col0 + 2 * c;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
+    for (int i = 0; i < O_COLS / 8; ++i)
       *reinterpret_cast<uint32_t*>(out + 8 * i) = pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-    if (c == 0) p.lse[int64_t(h) * p.T + row] = m[r] + __log2f(l[r]);
+    if (c == 0 && col0 == 0) p.lse[int64_t(h) * p.T + row] = m[r] + __log2f(l[r]);
   }
 }
 
@@ -240,7 +254,8 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   static_assert(SMEM_BYTES <= 227 * 1024, "over the shared memory of an sm_90 CTA");
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, D, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
+  const CUtensorMap tm_q =
+      head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, D, a.qkv.q_stride_t, a.qkv.q_stride_h, Split<D>::BLOCK_M);
   const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
   const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
   const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
@@ -256,8 +271,10 @@ void fwd(const FwdArgs& args, void* stream) {
   launch_for_dtype(args.fp16, [&](auto t) {
     if (args.head_dim == 128)
       launch<decltype(t), 128, 128>(args, s);
-    else
+    else if (args.head_dim == 256)
       launch<decltype(t), 256, 64>(args, s);
+    else
+      launch<decltype(t), 512, 32>(args, s);
   });
 }
 

@@ -80,7 +80,8 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
          const at::Tensor& lse, double sm_scale) {
   const int64_t D = q.dim() == 3 ? q.size(2) : 0;
-  TORCH_CHECK(D == 128 || D == 256, "the native forward takes head dim 128 or 256, got q of shape ", q.sizes());
+  TORCH_CHECK(D == 128 || D == 256 || D == 512, "the native forward takes head dim 128, 256 or 512, got q of shape ",
+              q.sizes());
   check_heads(q, "q", D);
   check_heads(k, "k", D);
   check_heads(v, "v", D);
@@ -110,6 +111,6 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fwd", &fwd, "DualKV forward, head dim 128 or 256, sm_90a");
+  m.def("fwd", &fwd, "DualKV forward, head dim 128, 256 or 512, sm_90a");
   m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128 or 256, sm_90a");
 }

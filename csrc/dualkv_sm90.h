@@ -11,9 +11,9 @@ struct QKV {
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
 };
 
-// Forward, head dim 128 or 256. One program per (tiles row, query head): tiles (n_tiles, 5) int32
-// rows (q_start, q_end, seg_start, prefix_start, prefix_len) as built by
-// megatron_dualkv.ops.dualkv_attn.query_tiles with 128-row tiles.
+// Forward, head dim 128, 256 or 512. One program per (tiles row, query head): tiles (n_tiles, 5)
+// int32 rows (q_start, q_end, seg_start, prefix_start, prefix_len) as built by
+// megatron_dualkv.ops.dualkv_attn.query_tiles with 128-row tiles (64-row at D = 512).
 struct FwdArgs {
   QKV qkv;
   int head_dim;

@@ -20,6 +20,8 @@ namespace dualkv_sm90 {
 constexpr int ROW_BYTES = 128;  // one swizzled row: 64 16-bit elements: a head dim of D is D / 64 panels
 
 // ------------------------------------------------------------------------------------ device
+#define DUALKV_ACC16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+#define DUALKV_ACC16_OPERANDS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define DUALKV_ACC32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define DUALKV_ACC32_OPERANDS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define DUALKV_ACC64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
@@ -132,6 +134,24 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
+// D (64 x 32, fp32) (+)= A (64 x 16) B (16 x 32), both K-major in shared memory
+template <typename T>
+__device__ __forceinline__ void mma_64x32_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DUALKV_ACC16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : DUALKV_ACC16_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " DUALKV_ACC16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : DUALKV_ACC16_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
 // D (64 x 64, fp32) (+)= A (64 x 16) B (16 x 64), both from shared memory
 template <typename T, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void mma_64x64_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -205,13 +225,15 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 template <typename T, int D, int REGS>
 __device__ __forceinline__ void mma_ss_head_dim(float (&acc)[REGS], const uint8_t* a, uint32_t a_panel_bytes,
                                                 const uint8_t* b, uint32_t b_panel_bytes) {
-  static_assert(REGS == 32 || REGS == 64, "64 x 64 or 64 x 128 accumulators");
+  static_assert(REGS == 16 || REGS == 32 || REGS == 64, "64 x 32, 64 x 64 or 64 x 128 accumulators");
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t pnl = kk / 4, col = (kk % 4) * 32;
     const uint64_t desc_a = smem_desc(a + pnl * a_panel_bytes + col, 16, 1024);
     const uint64_t desc_b = smem_desc(b + pnl * b_panel_bytes + col, 16, 1024);
-    if constexpr (REGS == 32)
+    if constexpr (REGS == 16)
+      mma_64x32_ss<T>(acc, desc_a, desc_b, kk);
+    else if constexpr (REGS == 32)
       mma_64x64_ss<T, 0, 0>(acc, desc_a, desc_b, kk);
     else
       mma_64x128_ss<T>(acc, desc_a, desc_b, kk);

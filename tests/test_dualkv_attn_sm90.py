@@ -31,13 +31,13 @@ def test_not_chosen_off_hopper_or_outside_its_cases():
 
 
 @hopper
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 512])
 def test_chosen_on_hopper(d):
     assert native_supported(*tensors(d, device="cuda"), None, None, False)
 
 
 @hopper
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 512])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)])
 def test_edge_layouts(dtype, heads, d):
@@ -51,7 +51,7 @@ def test_edge_layouts(dtype, heads, d):
     rollout_groups(max_groups=5, max_prompt=900, max_responses=8, max_response=300),
     st.sampled_from([(8, 2), (4, 4), (6, 1), (16, 2)]),
     st.sampled_from([torch.bfloat16, torch.float16]),
-    st.sampled_from([128, 256]),
+    st.sampled_from([128, 256, 512]),
 )
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 def test_fuzzed_layouts(groups, heads, dtype, d):

@@ -4,14 +4,14 @@ The Triton kernels (``dualkv_attn.py``) are the portable backend. On an sm_90 GP
 backend runs, where they apply, native kernels on wgmma instructions fed by TMA (a producer
 warpgroup and two consumer warpgroups):
 
-* the forward, one program per (128-row query tile, query head), reading the Triton forward's
-  tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M`` rows);
-* the backward as ONE pass: dK/dV per key tile with dQ accumulated in the same pass (5 matmuls
+* the forward (head dims 128, 256, 512), one program per (query tile, query head), reading the
+  Triton forward's tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M[head_dim]`` rows);
+* the backward (head dims 128, 256) as ONE pass: dK/dV per key tile with dQ accumulated in the same pass (5 matmuls
   per block pair instead of the Triton plan's 7) through TMA bulk reductions, reading the dK/dV
   tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and ``NATIVE_BLOCK_M`` queries)
   and writing the same fp32 chunk partials, reduced by the Triton reduction kernel.
 
-Covered: head dims 128 and 256, bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is
+Covered: those head dims, bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is
 added with fp32 reductions in whatever order they land), 16-byte aligned tensors (TMA).
 Everything else stays on Triton.
 """
@@ -27,9 +27,10 @@ import torch
 from .._resources import resource_dir
 from .checks import tma_aligned
 
-NATIVE_FWD_BLOCK_M = 128  # forward: query rows per program
+# per head dim (the keys are the head dims covered)
+NATIVE_FWD_BLOCK_M = {128: 128, 256: 128, 512: 64}  # forward: query rows per program
+NATIVE_BLOCK_N = {128: 128, 256: 64}  # backward: keys per program
 NATIVE_BLOCK_M = 64  # backward: queries per step
-NATIVE_BLOCK_N = {128: 128, 256: 64}  # backward, per head dim (the ones covered): keys per program
 CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 
@@ -55,10 +56,11 @@ def _extension():
 
 def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_size: Optional[int],
                      softcap: Optional[float], deterministic: bool) -> bool:
-    """Whether the native kernels cover this call (then the extension is built or loaded)."""
+    """Whether a native kernel covers this call, at least the forward (then the extension is built
+    or loaded); the backward also needs ``q.shape[2] in NATIVE_BLOCK_N``."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    if q.shape[2] not in NATIVE_BLOCK_N or q.dtype not in (torch.bfloat16, torch.float16):
+    if q.shape[2] not in NATIVE_FWD_BLOCK_M or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if window_size is not None or softcap is not None or deterministic:
         return False
@@ -68,9 +70,9 @@ def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_s
 
 
 def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float) -> None:
-    """Native forward, head dim D = 128 or 256. q (T, Hq, D); k, v (T, Hkv, D); tiles (n, 5) int32
-    from ``query_tiles(layout, NATIVE_FWD_BLOCK_M)``. Writes out (T, Hq, D) and lse (Hq, T) fp32
-    in log2 units."""
+    """Native forward, head dim D in NATIVE_FWD_BLOCK_M. q (T, Hq, D); k, v (T, Hkv, D); tiles (n, 5)
+    int32 from ``query_tiles(layout, NATIVE_FWD_BLOCK_M[D])``. Writes out (T, Hq, D) and lse (Hq, T)
+    fp32 in log2 units."""
     _extension().fwd(q, k, v, tiles, out, lse, sm_scale)
 
 
