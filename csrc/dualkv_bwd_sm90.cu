@@ -22,16 +22,15 @@
 //     reductions: issued by one thread, run by the copy engine while the warpgroup goes on
 //     (per-thread fp32 atomics cost 4.5 of 18.8 ms at 16x8192x1024; PERF_NOTES.md, session 4).
 // That is 5 matmuls per (query block, key tile) against 7 for the Triton separate-dQ plan.
-#include "dualkv_sm90.h"
-#include "sm90_ptx.cuh"
+#include "dualkv_bwd_sm90.cuh"
 
 namespace dualkv_sm90 {
 namespace {
 
 constexpr int HEAD_DIM = 128;
 constexpr int PANELS = HEAD_DIM / 64;
-constexpr int BLOCK_M = 64;    // queries per step
-constexpr int BLOCK_N = 128;   // keys per CTA: two consumer warpgroups of 64
+constexpr int BLOCK_M = BWD_BLOCK_M;  // queries per step
+constexpr int BLOCK_N = 128;          // keys per CTA: two consumer warpgroups of 64
 constexpr int STAGES = 2;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_THREADS = 256;
@@ -52,26 +51,13 @@ struct alignas(1024) SharedStorage {
 };
 
 // ------------------------------------------------------------------------------------ kernel
-struct KernelParams {
-  const float* lse;
-  const float* delta;
-  const int32_t* items;
-  void* dk;
-  void* dv;
-  int64_t dk_stride_t, dk_stride_h, dv_stride_t, dv_stride_h;
-  float* partial_dk;
-  float* partial_dv;
-  int T, num_heads, num_kv_heads;
-  float sm_scale, scale_log2;
-};
-
 // Accumulator element e (0..3) of 8-column group i held by a thread: row offset, column.
 //   rows 16 * warp + lane / 4 (+ 8 for e >= 2), columns 8 i + 2 (lane % 4) (+ 1 for odd e)
 template <typename T>
 __global__ void __launch_bounds__(THREADS, 1)
     dkdv_dq_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                   const __grid_constant__ CUtensorMap tm_dq, const KernelParams p) {
+                   const __grid_constant__ CUtensorMap tm_dq, const BwdParams p) {
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& s = aligned_shared<SharedStorage>(smem_raw);
 
@@ -309,17 +295,8 @@ void launch(const DkdvArgs& a, cudaStream_t stream) {
   const auto kernel = dkdv_dq_kernel<T>;
   constexpr int SMEM_BYTES = shared_bytes<SharedStorage>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-  const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUtensorMap tm_q = head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, HEAD_DIM, a.qkv.q_stride_t, a.qkv.q_stride_h, BLOCK_M);
-  const CUtensorMap tm_do = head_tile_map(a.dout, dtype, 2, a.T, a.num_heads, HEAD_DIM, a.do_stride_t, a.do_stride_h, BLOCK_M);
-  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
-  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, HEAD_DIM, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
-  const CUtensorMap tm_dq = head_tile_map(a.dq_acc, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, a.T, a.num_heads, HEAD_DIM,
-                                          int64_t(a.num_heads) * HEAD_DIM, HEAD_DIM, BLOCK_M);
-  const KernelParams p{a.lse, a.delta, a.items, a.dk, a.dv, a.dk_stride_t, a.dk_stride_h, a.dv_stride_t,
-                       a.dv_stride_h, a.partial_dk, a.partial_dv, a.T, a.num_heads, a.num_kv_heads,
-                       float(a.sm_scale), float(a.sm_scale * LOG2E)};
-  kernel<<<a.n_items * a.num_kv_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, tm_do, tm_dq, p);
+  const BwdMaps m = bwd_maps<HEAD_DIM, BLOCK_N>(a);
+  kernel<<<a.n_items * a.num_kv_heads, THREADS, SMEM_BYTES, stream>>>(m.q, m.k, m.v, m.dout, m.dq, bwd_params(a));
 }
 
 }  // namespace
