@@ -6,10 +6,11 @@ warpgroup and two consumer warpgroups):
 
 * the forward (head dims 128, 256, 512), one program per (query tile, query head), reading the
   Triton forward's tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M[head_dim]`` rows);
-* the backward (head dims 128, 256) as ONE pass: dK/dV per key tile with dQ accumulated in the same pass (5 matmuls
-  per block pair instead of the Triton plan's 7) through TMA bulk reductions, reading the dK/dV
-  tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and ``NATIVE_BLOCK_M`` queries)
-  and writing the same fp32 chunk partials, reduced by the Triton reduction kernel.
+* the backward (head dims 128, 256) as ONE pass: dK/dV per key tile with dQ accumulated in the
+  same pass (5 matmuls per block pair instead of the Triton plan's 7) through TMA bulk
+  reductions, reading the dK/dV tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and
+  ``NATIVE_BLOCK_M`` queries) and writing the same fp32 chunk partials, reduced by the Triton
+  reduction kernel.
 
 Covered: those head dims, bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is
 added with fp32 reductions in whatever order they land), 16-byte aligned tensors (TMA).
