@@ -93,12 +93,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int h = hk * group + step / q_blocks;
       const int q0 = q_lo + (step % q_blocks) * BLOCK_M;
       mbar_wait(&s.q_empty[st], ((step / Q_STAGES) & 1) ^ 1);
-      for (int r = lane; r < BLOCK_M; r += 32) {
-        const bool ok = q0 + r < p.T;  // rows past q_hi are masked by the consumers
-        const int64_t at = int64_t(h) * p.T + q0 + r;
-        s.lse[st][r] = ok ? p.lse[at] : 0.f;
-        s.delta[st][r] = ok ? p.delta[at] : 0.f;
-      }
+      load_lse_delta(s.lse[st], s.delta[st], p, h, q0, lane);
       if (lane == 0) {
         mbar_arrive_expect_tx(&s.q_full[st], BLOCK_M * HEAD_DIM * sizeof(T));
         for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.q[st][pnl], &tm_q, &s.q_full[st], 64 * pnl, h, q0);
@@ -243,29 +238,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   if (dq_issuer) bulk_wait();
 
-  // dK and dV: this warpgroup's columns, 2 adjacent columns per store
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = 16 * wq + g + 8 * r, col = 128 * wg + 8 * i + 2 * c;
-      const float k0 = dk[4 * i + 2 * r], k1 = dk[4 * i + 2 * r + 1];
-      const float v0 = dv[4 * i + 2 * r], v1 = dv[4 * i + 2 * r + 1];
-      if (slot < 0) {
-        if (row < key_rows) {
-          const int64_t t = k_start + row;
-          T* dk_out = static_cast<T*>(p.dk) + t * p.dk_stride_t + hk * p.dk_stride_h + col;
-          T* dv_out = static_cast<T*>(p.dv) + t * p.dv_stride_t + hk * p.dv_stride_h + col;
-          *reinterpret_cast<uint32_t*>(dk_out) = pack2<T>(k0, k1);
-          *reinterpret_cast<uint32_t*>(dv_out) = pack2<T>(v0, v1);
-        }
-      } else {
-        const int64_t at = ((int64_t(slot) * BLOCK_N + row) * p.num_kv_heads + hk) * HEAD_DIM + col;
-        *reinterpret_cast<float2*>(p.partial_dk + at) = make_float2(k0, k1);
-        *reinterpret_cast<float2*>(p.partial_dv + at) = make_float2(v0, v1);
-      }
-    }
-  }
+  store_dkdv<T, HEAD_DIM, BLOCK_N>(dk, dv, p, hk, k_start, key_rows, slot, 0, 128 * wg);
 }
 
 // ------------------------------------------------------------------------------------ host

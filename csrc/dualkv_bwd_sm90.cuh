@@ -1,11 +1,13 @@
-// The parameters and host setup shared by the native Hopper backward kernels: dualkv_bwd_sm90.cu
-// (head dim 128, the consumer warpgroups split the keys of a tile) and dualkv_bwd_d256_sm90.cu
-// (head dim 256, they split the head-dim columns). Both run one fused dK/dV + dQ pass per (key
-// tile, query chunk, key/value head) over the Triton kernels' work tables, in steps of 64 queries.
+// What the native Hopper backward kernels share: dualkv_bwd_sm90.cu (head dim 128, the consumer
+// warpgroups split the keys of a tile) and dualkv_bwd_d256_sm90.cu (head dim 256, they split the
+// head-dim columns). Both run one fused dK/dV + dQ pass per (key tile, query chunk, key/value
+// head) over the Triton kernels' work tables, in steps of 64 queries.
 //
-// Their device code stays written out in each kernel: factoring the shared per-step code into
+// Shared: the parameters, the host setup, the producer's lse/delta rows and the once-per-CTA
+// dK/dV store. The per-step consumer code stays written out in each kernel: factoring it into
 // helpers here left the SASS's matmuls and barriers unchanged but cost 1.1 ms of 21.3 at D = 128
-// (PERF_NOTES.md, session 5, run AE).
+// (PERF_NOTES.md, session 5, run AE). With the helpers below, the step loops compile to the same
+// instructions as without them.
 #pragma once
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
@@ -26,6 +28,48 @@ struct BwdParams {
   int T, num_heads, num_kv_heads;
   float sm_scale, scale_log2;
 };
+
+// lse and delta of a step's 64 queries into shared memory, by the 32 lanes of the producer warp
+// (zeros past T; rows past the item's q_hi are masked by the consumers)
+__device__ __forceinline__ void load_lse_delta(float* lse, float* delta, const BwdParams& p, int h, int q0, int lane) {
+  for (int r = lane; r < BWD_BLOCK_M; r += 32) {
+    const bool ok = q0 + r < p.T;
+    const int64_t at = int64_t(h) * p.T + q0 + r;
+    lse[r] = ok ? p.lse[at] : 0.f;
+    delta[r] = ok ? p.delta[at] : 0.f;
+  }
+}
+
+// A warpgroup's dK and dV (64 x 128 accumulators: keys from tile row `row0`, columns from `col0`),
+// 2 adjacent columns per store: bf16/fp16 rows of an unsplit tile (slot < 0), else fp32 rows of
+// the query chunk's partial, slot * BLOCK_N + row, summed later in chunk order
+template <typename T, int D, int BLOCK_N>
+__device__ __forceinline__ void store_dkdv(const float (&dk)[64], const float (&dv)[64], const BwdParams& p, int hk,
+                                           int k_start, int key_rows, int slot, int row0, int col0) {
+  const int wq = threadIdx.x / 32 % 4, g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 16 * wq + g + 8 * r, col = col0 + 8 * i + 2 * c;
+      const float k0 = dk[4 * i + 2 * r], k1 = dk[4 * i + 2 * r + 1];
+      const float v0 = dv[4 * i + 2 * r], v1 = dv[4 * i + 2 * r + 1];
+      if (slot < 0) {
+        if (row < key_rows) {
+          const int64_t t = k_start + row;
+          T* dk_out = static_cast<T*>(p.dk) + t * p.dk_stride_t + hk * p.dk_stride_h + col;
+          T* dv_out = static_cast<T*>(p.dv) + t * p.dv_stride_t + hk * p.dv_stride_h + col;
+          *reinterpret_cast<uint32_t*>(dk_out) = pack2<T>(k0, k1);
+          *reinterpret_cast<uint32_t*>(dv_out) = pack2<T>(v0, v1);
+        }
+      } else {
+        const int64_t at = ((int64_t(slot) * BLOCK_N + row) * p.num_kv_heads + hk) * D + col;
+        *reinterpret_cast<float2*>(p.partial_dk + at) = make_float2(k0, k1);
+        *reinterpret_cast<float2*>(p.partial_dv + at) = make_float2(v0, v1);
+      }
+    }
+  }
+}
 
 // ------------------------------------------------------------------------------------ host
 // Tensor maps of q, k, v, dout (64-column boxes of 64 query or BLOCK_N key rows) and of the fp32

@@ -2,12 +2,12 @@
 // instructions fed by TMA.
 //
 // One CTA per (query tile inside one segment, query head): the tables of the Triton forward
-// (megatron_dualkv/ops/dualkv_attn.py, query_tiles with Split<D>::BLOCK_M-row tiles). Warpgroup 0
+// (megatron_dualkv/ops/dualkv_attn.py, query_tiles with Tiles<D>::BLOCK_M-row tiles). Warpgroup 0
 // is the producer: one warp streams blocks of BLOCK_N keys (128 at D = 128, 64 at D = 256, 32 at
 // D = 512) into 2-stage K and V rings, first the group's prompt (every key visible; the last block
 // is cut at the prompt's end), then the tile's own segment up to the tile's end (causal).
 // Warpgroups 1 and 2 own 64 query rows each (at D = 512: the same 64 rows, half the columns each;
-// see Split) and keep flash-attention 2's online softmax in registers (log2 units,
+// see Tiles) and keep flash-attention 2's online softmax in registers (log2 units,
 // scale_log2 = softmax scale * log2 e):
 //     S = Q_w K^T (64 x BLOCK_N, wgmma from shared memory)
 //     m' = max(m, rowmax S * scale_log2),  P = 2^(S * scale_log2 - m')
@@ -26,20 +26,24 @@ namespace {
 constexpr int STAGES = 2;  // per ring; K of block b is released after S_b, V after P_b V_b
 constexpr int THREADS = 384;
 
-// How the two consumer warpgroups share a CTA's query tile. Up to D = 256 each owns 64 rows and
-// all columns (O: D / 2 registers per thread). At D = 512 that would be 256 registers, so each
-// owns half the columns of the same 64 rows instead, and both compute the same S.
+// The tiles of head dim D. How the two consumer warpgroups share a CTA's query tile: up to D = 256
+// each owns 64 rows and all columns (O: D / 2 registers per thread). At D = 512 that would be 256
+// registers, so each owns half the columns of the same 64 rows instead, and both compute the same
+// S. Key blocks shrink as O grows (128 keys at D = 128, 64 at 256, 32 at 512), so that S and P
+// fit beside O and a 2-stage K and V ring fits in shared memory.
 template <int D>
-struct Split {
-  static constexpr bool COLUMNS = D > 256;
-  static constexpr int BLOCK_M = COLUMNS ? 64 : 128;  // query rows per CTA
-  static constexpr int O_COLS = COLUMNS ? D / 2 : D;  // output columns per warpgroup
+struct Tiles {
+  static constexpr bool SPLIT_COLUMNS = D > 256;
+  static constexpr int BLOCK_M = SPLIT_COLUMNS ? 64 : 128;  // query rows per CTA
+  static constexpr int BLOCK_N = 128 * 128 / D;             // keys per block
+  static constexpr int O_COLS = SPLIT_COLUMNS ? D / 2 : D;  // output columns per warpgroup
+  static constexpr int PANELS = D / 64;
 };
 
-template <int D, int BLOCK_N>
+template <int D>
 struct alignas(1024) SharedStorage {
-  static constexpr int PANELS = D / 64;
-  uint8_t q[PANELS][Split<D>::BLOCK_M * ROW_BYTES];
+  static constexpr int PANELS = Tiles<D>::PANELS, BLOCK_N = Tiles<D>::BLOCK_N;
+  uint8_t q[PANELS][Tiles<D>::BLOCK_M * ROW_BYTES];
   uint8_t k[STAGES][PANELS][BLOCK_N * ROW_BYTES];
   uint8_t v[STAGES][PANELS][BLOCK_N * ROW_BYTES];
   uint64_t q_full;
@@ -58,16 +62,15 @@ struct KernelParams {
 
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
 // (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e).
-template <typename T, int D, int BLOCK_N>
+template <typename T, int D>
 __global__ void __launch_bounds__(THREADS, 1)
     fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                const __grid_constant__ CUtensorMap tm_v, const KernelParams p) {
-  using Storage = SharedStorage<D, BLOCK_N>;
-  constexpr int PANELS = Storage::PANELS;
-  constexpr bool SPLIT_COLUMNS = Split<D>::COLUMNS;
-  constexpr int BLOCK_M = Split<D>::BLOCK_M, O_COLS = Split<D>::O_COLS;
+  using Tile = Tiles<D>;
+  constexpr int PANELS = Tile::PANELS, BLOCK_M = Tile::BLOCK_M, BLOCK_N = Tile::BLOCK_N, O_COLS = Tile::O_COLS;
+  constexpr bool SPLIT_COLUMNS = Tile::SPLIT_COLUMNS;
   extern __shared__ uint8_t smem_raw[];
-  Storage& s = aligned_shared<Storage>(smem_raw);
+  SharedStorage<D>& s = aligned_shared<SharedStorage<D>>(smem_raw);
 
   // heads vary fastest, so the heaviest tiles (tables are sorted heaviest first) start first
   const int h = blockIdx.x % p.num_heads;
@@ -247,17 +250,18 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <typename T, int D, int BLOCK_N>
+template <typename T, int D>
 void launch(const FwdArgs& a, cudaStream_t stream) {
-  const auto kernel = fwd_kernel<T, D, BLOCK_N>;
-  constexpr int SMEM_BYTES = shared_bytes<SharedStorage<D, BLOCK_N>>();
+  using Tile = Tiles<D>;
+  const auto kernel = fwd_kernel<T, D>;
+  constexpr int SMEM_BYTES = shared_bytes<SharedStorage<D>>();
   static_assert(SMEM_BYTES <= 227 * 1024, "over the shared memory of an sm_90 CTA");
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUtensorMap tm_q =
-      head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, D, a.qkv.q_stride_t, a.qkv.q_stride_h, Split<D>::BLOCK_M);
-  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.k_stride_t, a.qkv.k_stride_h, BLOCK_N);
-  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.v_stride_t, a.qkv.v_stride_h, BLOCK_N);
+      head_tile_map(a.qkv.q, dtype, 2, a.T, a.num_heads, D, a.qkv.q_stride_t, a.qkv.q_stride_h, Tile::BLOCK_M);
+  const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.k_stride_t, a.qkv.k_stride_h, Tile::BLOCK_N);
+  const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.v_stride_t, a.qkv.v_stride_h, Tile::BLOCK_N);
   const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
                        a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E)};
   kernel<<<a.n_tiles * a.num_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, p);
@@ -270,11 +274,11 @@ void fwd(const FwdArgs& args, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   launch_for_dtype(args.fp16, [&](auto t) {
     if (args.head_dim == 128)
-      launch<decltype(t), 128, 128>(args, s);
+      launch<decltype(t), 128>(args, s);
     else if (args.head_dim == 256)
-      launch<decltype(t), 256, 64>(args, s);
+      launch<decltype(t), 256>(args, s);
     else
-      launch<decltype(t), 512, 32>(args, s);
+      launch<decltype(t), 512>(args, s);
   });
 }
 

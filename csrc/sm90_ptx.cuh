@@ -134,78 +134,43 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
+// One wgmma.mma_async for bf16 or fp16 operands (the element type is part of the opcode, so one asm
+// statement per type): PRED sets the scale-d predicate p, SHAPE is "m64nNk16", ACC the accumulator
+// list, ARGS the operands after it; the rest are the asm outputs and inputs.
+#define DUALKV_WGMMA(T, PRED, SHAPE, ACC, ARGS, ...)                                                       \
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)                                                        \
+    asm volatile("{\n.reg .pred p;\n" PRED "\nwgmma.mma_async.sync.aligned." SHAPE ".f32.bf16.bf16 " ACC \
+                 ARGS "\n}\n" : __VA_ARGS__);                                                             \
+  else                                                                                                   \
+    asm volatile("{\n.reg .pred p;\n" PRED "\nwgmma.mma_async.sync.aligned." SHAPE ".f32.f16.f16 " ACC   \
+                 ARGS "\n}\n" : __VA_ARGS__)
+
 // D (64 x 32, fp32) (+)= A (64 x 16) B (16 x 32), both K-major in shared memory
 template <typename T>
 __device__ __forceinline__ void mma_64x32_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DUALKV_ACC16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : DUALKV_ACC16_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " DUALKV_ACC16 ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : DUALKV_ACC16_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  }
+  DUALKV_WGMMA(T, "setp.ne.b32 p, %18, 0;", "m64n32k16", DUALKV_ACC16, ", %16, %17, p, 1, 1, 0, 0;",
+               DUALKV_ACC16_OPERANDS(d) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
 // D (64 x 64, fp32) (+)= A (64 x 16) B (16 x 64), both from shared memory
 template <typename T, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void mma_64x64_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DUALKV_ACC32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
-        : DUALKV_ACC32_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DUALKV_ACC32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
-        : DUALKV_ACC32_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
-  }
+  DUALKV_WGMMA(T, "setp.ne.b32 p, %34, 0;", "m64n64k16", DUALKV_ACC32, ", %32, %33, p, 1, 1, %35, %36;",
+               DUALKV_ACC32_OPERANDS(d) : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
 }
 
 // D (64 x 128, fp32) (+)= A (64 x 16) B (16 x 128), both K-major in shared memory
 template <typename T>
 __device__ __forceinline__ void mma_64x128_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DUALKV_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : DUALKV_ACC64_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DUALKV_ACC64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : DUALKV_ACC64_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  }
+  DUALKV_WGMMA(T, "setp.ne.b32 p, %66, 0;", "m64n128k16", DUALKV_ACC64, ", %64, %65, p, 1, 1, 0, 0;",
+               DUALKV_ACC64_OPERANDS(d) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
 // D (64 x 128, fp32) += A (64 x 16, registers) B (16 x 128, shared memory, N-major)
 template <typename T>
 __device__ __forceinline__ void mma_64x128_rs(float (&d)[64], const uint32_t* a, uint64_t desc_b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DUALKV_ACC64
-        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : DUALKV_ACC64_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DUALKV_ACC64
-        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : DUALKV_ACC64_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-  }
+  DUALKV_WGMMA(T, "setp.ne.b32 p, 1, 0;", "m64n128k16", DUALKV_ACC64, ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;",
+               DUALKV_ACC64_OPERANDS(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
 template <typename T>

@@ -529,11 +529,19 @@ def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> Option
     return next(cfg for max_d, cfg in GPU_CONFIGS[pass_name] if head_dim <= max_d)
 
 
-# ``native`` below: each pass on its native sm_90 kernel (dualkv_attn_sm90.py) where it has one at
-# this head dim; the native kernels' blocks shape the tables
+# ``native``: the call may run the native sm_90 kernels (dualkv_attn_sm90.native_supported); each
+# pass does where it has one at this head dim, and then the native kernel's blocks shape its table
+def _native_forward(head_dim: int, native: bool) -> bool:
+    return native and head_dim in NATIVE_FWD_BLOCK_M
+
+
+def _native_backward(head_dim: int, native: bool) -> bool:
+    return native and head_dim in NATIVE_BLOCK_N
+
+
 def backward_plan(head_dim: int, device: torch.device, deterministic: bool, native: bool = False):
     """(config of the separate dQ pass, or None when the dK/dV pass accumulates dQ; dK/dV config)."""
-    if native and head_dim in NATIVE_BLOCK_N:
+    if _native_backward(head_dim, native):
         return None, KernelConfig(NATIVE_BLOCK_M, NATIVE_BLOCK_N[head_dim], num_warps=12, num_stages=2)
     fused = None if deterministic else kernel_config("dkdv_dq", head_dim, device)
     if fused is not None:
@@ -652,7 +660,7 @@ class KernelTables:
 def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
                   native: bool = False) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
-    fwd_rows = (NATIVE_FWD_BLOCK_M[head_dim] if native and head_dim in NATIVE_FWD_BLOCK_M
+    fwd_rows = (NATIVE_FWD_BLOCK_M[head_dim] if _native_forward(head_dim, native)
                 else kernel_config("fwd", head_dim, layout.device).block_m)
     dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
@@ -673,7 +681,7 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
     T, Hq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-    if native and D in NATIVE_FWD_BLOCK_M:
+    if _native_forward(D, native):
         fwd_sm90(q, k, v, tiles, out, lse, sm_scale)
         return out, lse
     cfg = kernel_config("fwd", D, q.device)
@@ -693,7 +701,7 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
-    native = native and D in NATIVE_BLOCK_N
+    native = _native_backward(D, native)
     dq_cfg, kv_cfg = backward_plan(D, q.device, deterministic, native)
     common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D)
     scalars = (sm_scale, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size))

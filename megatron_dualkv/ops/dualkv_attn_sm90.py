@@ -44,8 +44,7 @@ def _extension():
     try:
         from torch.utils.cpp_extension import load
 
-        sources = [str(CSRC / name) for name in ("dualkv_sm90.cpp", "dualkv_fwd_sm90.cu", "dualkv_bwd_sm90.cu",
-                                                     "dualkv_bwd_d256_sm90.cu")]
+        sources = [str(path) for path in (CSRC / "dualkv_sm90.cpp", *sorted(CSRC.glob("*.cu")))]
         return load(name="dualkv_sm90", sources=sources,
                     extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
                     extra_cflags=["-O3", "-std=c++17"])
