@@ -1,5 +1,6 @@
-"""DualKV attention benchmark: our kernels (default backend, and the Triton kernels alone) vs FlexAttention (same mask, packed layout) vs
-PyTorch SDPA (cuDNN / flash / memory-efficient) on the replicated layout.
+"""DualKV attention benchmark: our kernels (default backend, and the Triton kernels alone) vs
+FlexAttention (same mask, packed layout) vs PyTorch SDPA (cuDNN / flash / memory-efficient) on the
+replicated layout.
 
 For each workload: median forward and forward+backward time, useful TFLOP/s (only the (query,
 key) pairs the mask allows: 4*D*Hq FLOPs per pair forward, 2.5x that backward) and peak memory
