@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                    const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
                    const __grid_constant__ CUtensorMap tm_dq, const BwdParams p) {
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage& s = aligned_shared<SharedStorage>(smem_raw);
+  SharedStorage& s = aligned_shared<SharedStorage, true>(smem_raw);  // generic: see aligned_shared
 
   // heads vary fastest, so the heaviest items (tables are sorted heaviest first) start first
   const int hk = blockIdx.x % p.num_kv_heads;

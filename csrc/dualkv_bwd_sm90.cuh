@@ -1,6 +1,6 @@
 // What the native Hopper backward kernels share: dualkv_bwd_sm90.cu (head dim 128, the consumer
-// warpgroups split the keys of a tile) and dualkv_bwd_d256_sm90.cu (head dim 256, they split the
-// head-dim columns). Both run one fused dK/dV + dQ pass per (key tile, query chunk, key/value
+// warpgroups split the keys of a tile) and dualkv_bwd_cols_sm90.cu (head dims 256 and 512, they
+// split the head-dim columns). Both run one fused dK/dV + dQ pass per (key tile, query chunk, key/value
 // head) over the Triton kernels' work tables, in steps of 64 queries.
 //
 // Shared: the parameters, the host setup, the producer's lse/delta rows and the once-per-CTA

@@ -39,7 +39,8 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              const at::Tensor& dv, const at::Tensor& partial_dk, const at::Tensor& partial_dv, const at::Tensor& dq_acc,
              double sm_scale) {
   const int64_t D = q.dim() == 3 ? q.size(2) : 0;
-  TORCH_CHECK(D == 128 || D == 256, "the native dK/dV pass takes head dim 128 or 256, got q of shape ", q.sizes());
+  TORCH_CHECK(D == 128 || D == 256 || D == 512, "the native dK/dV pass takes head dim 128, 256 or 512, got q of shape ",
+              q.sizes());
   check_heads(q, "q", D);
   check_heads(k, "k", D);
   check_heads(v, "v", D);
@@ -58,6 +59,7 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   const c10::cuda::CUDAGuard guard(q.device());
   dualkv_sm90::DkdvArgs a{};
   a.qkv = qkv_of(q, k, v);
+  a.head_dim = D;
   a.dout = dout.data_ptr();
   a.do_stride_t = dout.stride(0), a.do_stride_h = dout.stride(1);
   a.lse = lse.data_ptr<float>();
@@ -74,7 +76,7 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
   a.sm_scale = sm_scale;
   a.fp16 = q.scalar_type() == at::kHalf;
-  (D == 128 ? dualkv_sm90::dkdv_dq : dualkv_sm90::dkdv_dq_d256)(a, c10::cuda::getCurrentCUDAStream().stream());
+  (D == 128 ? dualkv_sm90::dkdv_dq : dualkv_sm90::dkdv_dq_cols)(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
@@ -112,5 +114,5 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "DualKV forward, head dim 128, 256 or 512, sm_90a");
-  m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128 or 256, sm_90a");
+  m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128, 256 or 512, sm_90a");
 }

@@ -32,9 +32,10 @@ void fwd(const FwdArgs& args, void* stream);
 // dK/dV pass with fused dQ. Tensors are (T, H, D) with unit last stride; strides in elements. One
 // program per (items row, key/value head): items (n_items, 5) int32 rows (k_start, k_end, q_lo,
 // q_hi, slot) as built by megatron_dualkv.ops.dualkv_attn.key_items with N-key tiles and 64-query
-// blocks; N = 128 at D = 128 (dkdv_dq), 64 at D = 256 (dkdv_dq_d256).
+// blocks; N = 128 at D = 128 (dkdv_dq), 64 at D = 256 and 512 (dkdv_dq_cols).
 struct DkdvArgs {
   QKV qkv;
+  int head_dim;
   const void* dout;
   int64_t do_stride_t, do_stride_h;
   const float* lse;    // (Hq, T), log2 units
@@ -51,6 +52,6 @@ struct DkdvArgs {
 };
 
 void dkdv_dq(const DkdvArgs& args, void* stream);       // D = 128
-void dkdv_dq_d256(const DkdvArgs& args, void* stream);  // D = 256
+void dkdv_dq_cols(const DkdvArgs& args, void* stream);  // D = 256, 512
 
 }  // namespace dualkv_sm90

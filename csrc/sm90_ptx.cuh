@@ -44,14 +44,43 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// Wait until the phase of `bar` with this parity has completed. CLUSTER: a barrier that other CTAs
+// of the cluster arrive on (acquire at cluster scope).
+#define DUALKV_MBAR_WAIT(SEM) \
+  "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity" SEM ".shared::cta.b64 done, [%0], %1;\n" \
+  "@!done bra WAIT;\n}\n"
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
+  if constexpr (CLUSTER)
+    asm volatile(DUALKV_MBAR_WAIT(".acquire.cluster")::"r"(smem_u32(bar)), "r"(parity) : "memory");
+  else
+    asm volatile(DUALKV_MBAR_WAIT("")::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+
+// --- clusters: the CTAs of a cluster write into each other's shared memory
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// the address of `p`'s counterpart in the shared memory of cluster CTA `rank`
+__device__ __forceinline__ uint32_t peer_shared(const void* p, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+  return r;
+}
+
+// 16 bytes into another CTA's shared memory, counted on its barrier `bar` (a peer_shared address)
+__device__ __forceinline__ void st_async_v4(uint32_t dst, float a, float b, float c, float d, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
+               : "memory");
+}
+
+// arrive on another CTA's barrier (a peer_shared address), after this thread's earlier accesses
+// to its own CTA's shared memory (a CTA-scope fence: a release at cluster scope compiles to a
+// GPU-wide memory barrier)
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar) {
+  asm volatile("fence.acq_rel.cta;\nmbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
 // (64 columns, 1 head, rows) box of a (T, H, D) tensor into a swizzled panel
@@ -207,10 +236,17 @@ __device__ __forceinline__ void mma_ss_head_dim(float (&acc)[REGS], const uint8_
 }
 
 // The dynamic shared memory as S, its base rounded up to 1024 bytes (the swizzle atom of the
-// tiles); launch with shared_bytes<S>() of dynamic shared memory.
-template <typename S>
+// tiles); launch with shared_bytes<S>() of dynamic shared memory. The offset is added to `raw`
+// itself, so that accesses through S compile to shared loads and stores. GENERIC rebuilds the
+// pointer from an integer instead, which loses the state space: every access becomes a generic
+// load or store. The head-dim-128 backward keeps that: with shared accesses its forward + backward
+// ran 3% slower, where the head-dim-256 one ran 4% faster (PERF_NOTES.md, session 6, run AG).
+template <typename S, bool GENERIC = false>
 __device__ __forceinline__ S& aligned_shared(uint8_t* raw) {
-  return *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  if constexpr (GENERIC)
+    return *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  else
+    return *reinterpret_cast<S*>(raw + ((1024 - (smem_u32(raw) & 1023)) & 1023));
 }
 
 template <typename S>

@@ -6,9 +6,10 @@ warpgroup and two consumer warpgroups):
 
 * the forward (head dims 128, 256, 512), one program per (query tile, query head), reading the
   Triton forward's tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M[head_dim]`` rows);
-* the backward (head dims 128, 256) as ONE pass: dK/dV per key tile with dQ accumulated in the
-  same pass (5 matmuls per block pair instead of the Triton plan's 7) through TMA bulk
-  reductions, reading the dK/dV tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and
+* the backward (head dims 128, 256, 512; at 512 a cluster of two CTAs per key tile, each owning
+  256 head-dim columns) as ONE pass: dK/dV per key tile with dQ accumulated in the same pass
+  (5 matmuls per block pair instead of the Triton plan's 7) through TMA bulk reductions, reading
+  the dK/dV tables (``key_items`` with ``NATIVE_BLOCK_N[head_dim]`` keys and
   ``NATIVE_BLOCK_M`` queries) and writing the same fp32 chunk partials, reduced by the Triton
   reduction kernel.
 
@@ -30,7 +31,7 @@ from .checks import tma_aligned
 
 # per head dim (the keys are the head dims covered)
 NATIVE_FWD_BLOCK_M = {128: 128, 256: 128, 512: 64}  # forward: query rows per program
-NATIVE_BLOCK_N = {128: 128, 256: 64}  # backward: keys per program
+NATIVE_BLOCK_N = {128: 128, 256: 64, 512: 64}  # backward: keys per program (per CTA pair at 512)
 NATIVE_BLOCK_M = 64  # backward: queries per step
 CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
@@ -77,7 +78,7 @@ def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float) -> None:
 
 
 def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale: float) -> None:
-    """One native dK/dV pass with fused dQ, head dim D = 128 or 256, key tiles of N = NATIVE_BLOCK_N[D].
+    """One native dK/dV pass with fused dQ, head dim D in NATIVE_BLOCK_N, key tiles of N = NATIVE_BLOCK_N[D].
 
     q, do (T, Hq, D); k, v (T, Hkv, D); lse, delta (Hq, T) fp32; items (n, 5) int32 from
     ``key_items(layout, N, NATIVE_BLOCK_M, ...)``. Writes dk, dv (T, Hkv, D) rows of unsplit

@@ -1,0 +1,349 @@
+// Native Hopper (sm_90a) backward of DualKV attention for head dims 256 and 512: the dK/dV pass
+// with fused dQ of dualkv_bwd_sm90.cu, reshaped so that a wide head fits in registers and shared
+// memory: every CTA owns 256 head-dim columns, and at head dim 512 a cluster of two CTAs shares a
+// key tile.
+//
+// Work split: the same tables as the Triton kernels with 64-key tiles (key_items with 64 keys and
+// 64-query blocks): one cluster of SPLIT = D / 256 CTAs per (key tile, query chunk, key/value
+// head); CTA r of the cluster owns head-dim columns [256 r, 256 r + 256). In packed order a query i
+// sees key j iff i >= j inside the item's query range.
+//
+// CTA = 3 warpgroups. Warpgroup 0 is the producer: one warp streams the CTA's columns of Q blocks
+// (with their lse and delta rows) into a ring (2 stages at D = 256, 1 at D = 512, where the
+// exchange below takes the space) and of dO blocks into a single stage (K and V take 64 KB, a Q or
+// dO block 32 KB). Warpgroups 1 and 2 own columns [128 w, 128 w + 128) of the CTA's dK, dV and dQ.
+// Both compute the whole 64 x 64 S^T and dP^T over the CTA's columns (a 256-column head leaves no
+// registers for a 128-key tile split by keys, as at head dim 128), so that neither waits for the
+// other:
+//     S^T  = K Q^T,  dP^T = V dO^T                 (64 x 64 over 256 columns, from shared memory)
+//     at D = 512: + the other CTA's partial S^T, dP^T over its 256 columns (below)
+//     P^T  = 2^(S^T * scale_log2 - lse)            masked to 0 where invisible
+//     dS^T = scale * P^T * (dP^T - delta)
+//     dV_w += P^T dO_w,  dK_w += dS^T Q_w          (P^T, dS^T in registers as the A operands)
+//     dS^T -> this warpgroup's shared buffer; dQ_w = dS K_w (64 x 128, two 64-column halves)
+//     staged in shared memory and added to the fp32 (T, Hq, D) buffer by TMA bulk reductions.
+// That is 7.3 MFLOP per warpgroup per step for 10.5 useful per CTA: S^T and dP^T run twice.
+//
+// Why a cluster at D = 512: dK and dV of 64 keys x 512 columns (256 KB of fp32) do not fit one
+// SM's registers, and 32-key tiles would double the dQ reductions per FLOP, which already run
+// near what the copy engine sustains (PERF_NOTES.md, session 6, run AF). The pair exchanges
+// partial scores instead, through each other's shared memory (st.async, completing on the
+// receiver's barrier): S^T as soon as it is done, so that the exchange overlaps the dP^T matmul,
+// and dP^T behind the dV matmul. Each warpgroup sends half of each (both hold them whole). Both
+// CTAs add in the same order (a + b == b + a in fp32), so both see identical P and dS.
+#include "dualkv_bwd_sm90.cuh"
+
+namespace dualkv_sm90 {
+namespace {
+
+constexpr int COLS = 256;  // head-dim columns per CTA
+constexpr int PANELS = COLS / 64;
+constexpr int BLOCK_M = BWD_BLOCK_M;  // queries per step
+constexpr int BLOCK_N = 64;  // keys per CTA
+constexpr int THREADS = 384;
+constexpr int CONSUMER_WARPS = 8;
+constexpr uint32_t RECV_BYTES = 8 * 128 * sizeof(float4);  // one partial (S^T or dP^T) of a CTA pair
+
+template <int SPLIT>  // CTAs per key tile
+struct alignas(1024) SharedStorage {
+  static constexpr int Q_STAGES = SPLIT == 1 ? 2 : 1;
+  uint8_t k[PANELS][BLOCK_N * ROW_BYTES];
+  uint8_t v[PANELS][BLOCK_N * ROW_BYTES];
+  uint8_t q[Q_STAGES][PANELS][BLOCK_M * ROW_BYTES];
+  uint8_t dout[PANELS][BLOCK_M * ROW_BYTES];
+  uint8_t ds[2][BLOCK_N * ROW_BYTES];     // dS^T (key, query), one per warpgroup
+  uint8_t dq[2][2][BLOCK_M * ROW_BYTES];  // per warpgroup, two (64 queries, 32 fp32) swizzled boxes
+  // the other CTA's partial S^T (which = 0) and dP^T (1): float4 j of consumer thread t at
+  // (which * 8 + j) * 128 + t, so that a warp's loads hit consecutive banks (unused at SPLIT 1)
+  float4 recv[SPLIT == 1 ? 1 : 2 * 8 * 128];
+  float lse[Q_STAGES][BLOCK_M];
+  float delta[Q_STAGES][BLOCK_M];
+  uint64_t kv_full;
+  uint64_t q_full[Q_STAGES];
+  uint64_t q_empty[Q_STAGES];
+  uint64_t do_full;
+  uint64_t do_empty;
+  uint64_t recv_full[2];  // the other CTA's partial S^T (0) or dP^T (1) of this step has landed
+  uint64_t send_ok;       // the other CTA has read what this one sent last step
+};
+
+// Add the other CTA's partial S^T (which = 0) or dP^T (1) over its columns to x, in the consumer
+// warpgroup wg. Each warpgroup sends float4s [4 wg, 4 wg + 4) of its x; S^T waits until the other
+// CTA has read the previous step's partials. (A function, not a lambda: called twice, a lambda
+// was not inlined and x went to local memory.)
+template <typename Smem>
+__device__ __forceinline__ void add_peer_partial(float (&x)[32], int which, Smem& s, int rank, int wg, int step,
+                                                 int steps) {
+  const int t = threadIdx.x % 128, lane = threadIdx.x % 32;
+  const uint32_t peer = rank ^ 1;
+  if (which == 0 && step > 0) mbar_wait<true>(&s.send_ok, (step - 1) & 1);
+  const uint32_t peer_bar = peer_shared(&s.recv_full[which], peer);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {  // x indexed by constants only: a register array stays in registers
+    if (j / 4 == wg)
+      st_async_v4(peer_shared(&s.recv[(which * 8 + j) * 128 + t], peer), x[4 * j], x[4 * j + 1], x[4 * j + 2],
+                  x[4 * j + 3], peer_bar);
+  }
+  mbar_wait(&s.recv_full[which], step & 1);
+  // arm the next step's phase before the other CTA may send into it (send_ok below), so that its
+  // bytes never land ahead of the expectation
+  if (threadIdx.x == 128 && step + 1 < steps) mbar_arrive_expect_tx(&s.recv_full[which], RECV_BYTES);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float4 r = s.recv[(which * 8 + j) * 128 + t];
+    x[4 * j] += r.x, x[4 * j + 1] += r.y, x[4 * j + 2] += r.z, x[4 * j + 3] += r.w;
+  }
+  // after the last step nothing more is sent, and the other CTA may have finished
+  __syncwarp();
+  if (which == 1 && lane == 0 && step + 1 < steps) mbar_arrive_cluster(peer_shared(&s.send_ok, peer));
+}
+
+// Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
+// (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e)
+template <typename T, int SPLIT>
+__global__ void __launch_bounds__(THREADS, 1)
+    dkdv_dq_cols_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                        const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+                        const __grid_constant__ CUtensorMap tm_dq, const BwdParams p) {
+  using Smem = SharedStorage<SPLIT>;
+  constexpr int Q_STAGES = Smem::Q_STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  Smem& s = aligned_shared<Smem>(smem_raw);
+
+  // heads vary fastest, so the heaviest items (tables are sorted heaviest first) start first; the
+  // SPLIT CTAs of a cluster are adjacent
+  const int rank = blockIdx.x % SPLIT, col0 = COLS * rank;
+  const int hk = blockIdx.x / SPLIT % p.num_kv_heads;
+  const int32_t* item = p.items + (blockIdx.x / SPLIT / p.num_kv_heads) * 5;
+  const int k_start = item[0], k_end = item[1], q_lo = item[2], q_hi = item[3], slot = item[4];
+  const int group = p.num_heads / p.num_kv_heads;
+  const int q_blocks = (q_hi - q_lo + BLOCK_M - 1) / BLOCK_M;
+  const int steps = group * q_blocks;  // (query head of the group, query block), head-major
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    mbar_init(&s.kv_full, 1);
+    for (int i = 0; i < Q_STAGES; ++i) {
+      mbar_init(&s.q_full[i], 32);  // every producer lane (lse, delta rows)
+      mbar_init(&s.q_empty[i], CONSUMER_WARPS);
+    }
+    mbar_init(&s.do_full, 1);
+    mbar_init(&s.do_empty, CONSUMER_WARPS);
+    for (int i = 0; i < 2; ++i) {  // armed for step 0 (add_peer_partial arms the next ones)
+      mbar_init(&s.recv_full[i], 1);
+      if (SPLIT > 1) mbar_arrive_expect_tx(&s.recv_full[i], RECV_BYTES);
+    }
+    mbar_init(&s.send_ok, CONSUMER_WARPS);  // the other CTA's consumer warps
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (SPLIT > 1)
+    cluster_sync();  // both CTAs' barriers exist before either sends
+  else
+    __syncthreads();
+
+  if (warp < 4) {  // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<24>();
+    if (warp == 0) {
+      if (lane == 0) {
+        mbar_arrive_expect_tx(&s.kv_full, 2 * BLOCK_N * COLS * sizeof(T));
+        for (int pnl = 0; pnl < PANELS; ++pnl) {
+          tma_load(s.k[pnl], &tm_k, &s.kv_full, col0 + 64 * pnl, hk, k_start);
+          tma_load(s.v[pnl], &tm_v, &s.kv_full, col0 + 64 * pnl, hk, k_start);
+        }
+      }
+      for (int step = 0; step < steps; ++step) {
+        const int st = step % Q_STAGES;
+        const int h = hk * group + step / q_blocks;
+        const int q0 = q_lo + (step % q_blocks) * BLOCK_M;
+        mbar_wait(&s.q_empty[st], ((step / Q_STAGES) & 1) ^ 1);
+        load_lse_delta(s.lse[st], s.delta[st], p, h, q0, lane);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(&s.q_full[st], BLOCK_M * COLS * sizeof(T));
+          for (int pnl = 0; pnl < PANELS; ++pnl)
+            tma_load(s.q[st][pnl], &tm_q, &s.q_full[st], col0 + 64 * pnl, h, q0);
+          mbar_wait(&s.do_empty, (step & 1) ^ 1);
+          mbar_arrive_expect_tx(&s.do_full, BLOCK_M * COLS * sizeof(T));
+          for (int pnl = 0; pnl < PANELS; ++pnl)
+            tma_load(s.dout[pnl], &tm_do, &s.do_full, col0 + 64 * pnl, h, q0);
+        } else {
+          mbar_arrive(&s.q_full[st]);
+        }
+      }
+    }
+  } else {  // ------------------------------------------------------------------- consumers
+    setmaxnreg_inc<240>();
+    const int wg = warp / 4 - 1;  // the CTA's columns [128 wg, 128 wg + 128), panels 2 wg and 2 wg + 1
+    const int wq = warp % 4;      // accumulator rows [16 wq, 16 wq + 16)
+    const int g = lane / 4, c = lane % 4, t = threadIdx.x % 128;
+    const bool dq_issuer = t == 0;
+    const int key_rows = k_end - k_start;
+    uint8_t* ds = s.ds[wg];
+
+    float dk[64], dv[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) dk[i] = dv[i] = 0.f;
+
+    // dQ columns [128 wg + 64 half, + 64) of the CTA's of a finished block -> two swizzled (64, 32)
+    // fp32 boxes -> bulk reductions. Masked queries have dS = 0, so rows outside [q_lo, q_hi) add
+    // exact zeros.
+    const auto add_dq = [&](const float (&dq)[32], int half, int h, int q0) {
+      if (dq_issuer) bulk_wait_read();  // the boxes' previous contents have been read
+      warpgroup_sync(wg);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = 16 * wq + g + 8 * r;  // row % 8 == g
+          *reinterpret_cast<float2*>(s.dq[wg][i / 4] + row * ROW_BYTES + (((2 * (i % 4) + c / 2) ^ g) << 4) +
+                                     8 * (c % 2)) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      warpgroup_sync(wg);
+      if (dq_issuer) {
+        const int col = col0 + 128 * wg + 64 * half;
+        tma_reduce_add(s.dq[wg][0], &tm_dq, col, h, q0);
+        tma_reduce_add(s.dq[wg][1], &tm_dq, col + 32, h, q0);
+      }
+    };
+
+    mbar_wait(&s.kv_full, 0);
+    for (int step = 0; step < steps; ++step) {
+      const int st = step % Q_STAGES;
+      const int h = hk * group + step / q_blocks;
+      const int q0 = q_lo + (step % q_blocks) * BLOCK_M;
+      mbar_wait(&s.q_full[st], (step / Q_STAGES) & 1);
+      mbar_wait(&s.do_full, step & 1);
+
+      // S^T = K Q^T and dP^T = V dO^T over the CTA's 256 columns: A and B both K-major
+      float sc[32], dp[32];
+      wgmma_fence();
+      mma_ss_head_dim<T, COLS>(sc, s.k[0], sizeof(s.k[0]), s.q[st][0], sizeof(s.q[st][0]));
+      mma_ss_head_dim<T, COLS>(dp, s.v[0], sizeof(s.v[0]), s.dout[0], sizeof(s.dout[0]));
+      wgmma_wait<1>();  // S^T
+      fence_regs(sc);
+      if constexpr (SPLIT > 1) add_peer_partial(sc, 0, s, rank, wg, step, steps);
+
+      // P^T: keys are rows, queries columns; a key past the tile, a query past the range, or a
+      // query before the key (packed order) is invisible
+      const bool masked = q0 < k_end - 1 || q0 + BLOCK_M > q_hi || key_rows < BLOCK_N;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 lse = *reinterpret_cast<const float2*>(&s.lse[st][8 * i + 2 * c]);  // columns 2c, 2c + 1
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * wq + g + 8 * (e >> 1), col = 8 * i + 2 * c + (e & 1);
+          float x = exp2_approx(sc[4 * i + e] * p.scale_log2 - (e & 1 ? lse.y : lse.x));
+          if (masked) {
+            const int key = k_start + row, query = q0 + col;
+            if (row >= key_rows || query >= q_hi || query < key) x = 0.f;
+          }
+          sc[4 * i + e] = x;
+        }
+      }
+      // dV_w += P^T dO_w (B = dO panels 2 wg, 2 wg + 1, read N-major; k-steps of 16 queries)
+      uint32_t pa[16];
+      pack_fragments<T>(sc, pa);
+      mma_rs<T, BLOCK_M / 16>(dv, pa, s.dout[2 * wg], sizeof(s.dout[0]));
+
+      wgmma_wait<1>();  // dP^T (dV may still run)
+      fence_regs(dp);
+      if constexpr (SPLIT > 1) add_peer_partial(dp, 1, s, rank, wg, step, steps);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 delta = *reinterpret_cast<const float2*>(&s.delta[st][8 * i + 2 * c]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dp[4 * i + e] = sc[4 * i + e] * p.sm_scale * (dp[4 * i + e] - (e & 1 ? delta.y : delta.x));
+      }
+      // dK_w += dS^T Q_w
+      uint32_t da[16];
+      pack_fragments<T>(dp, da);
+      mma_rs<T, BLOCK_M / 16>(dk, da, s.q[st][2 * wg], sizeof(s.q[st][0]));
+
+      // dS^T to this warpgroup's buffer (one 128-byte swizzled row per key); its last reader, the
+      // previous step's dQ matmul, has completed
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = 16 * wq + g + 8 * r;
+          *reinterpret_cast<uint32_t*>(ds + row * ROW_BYTES + ((i ^ (row & 7)) << 4) + 4 * c) = da[2 * i + r];
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      warpgroup_sync(wg);
+
+      wgmma_wait<0>();  // dV and dK: the stage's Q and dO are no longer read
+      fence_regs(dv);
+      fence_regs(dk);
+      fence_regs(pa);
+      fence_regs(da);
+      __syncwarp();
+      if (lane == 0) {
+        mbar_arrive(&s.do_empty);
+        mbar_arrive(&s.q_empty[st]);
+      }
+
+      // dQ_w = dS K_w in two 64-column halves: A = dS^T read M-major, B = K panel read N-major,
+      // k-steps of 16 keys; half 1 runs while half 0 is staged
+      float dq0[32], dq1[32];
+      wgmma_fence();
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+          mma_64x64_ss<T, 1, 1>(half ? dq1 : dq0, smem_desc(ds + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024),
+                                smem_desc(s.k[2 * wg + half] + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024), kk);
+        wgmma_commit();
+      }
+      wgmma_wait<1>();
+      fence_regs(dq0);
+      add_dq(dq0, 0, h, q0);
+      wgmma_wait<0>();
+      fence_regs(dq1);
+      add_dq(dq1, 1, h, q0);
+    }
+    if (dq_issuer) bulk_wait();
+
+    store_dkdv<T, COLS * SPLIT, BLOCK_N>(dk, dv, p, hk, k_start, key_rows, slot, 0, col0 + 128 * wg);
+  }
+  // a CTA's shared memory must outlive the other's sends into it
+  if constexpr (SPLIT > 1) cluster_sync();
+}
+
+// ------------------------------------------------------------------------------------ host
+template <typename T, int SPLIT>
+void launch(const DkdvArgs& a, cudaStream_t stream) {
+  const auto kernel = dkdv_dq_cols_kernel<T, SPLIT>;
+  constexpr int SMEM_BYTES = shared_bytes<SharedStorage<SPLIT>>();
+  static_assert(SMEM_BYTES <= 227 * 1024, "over the shared memory of an sm_90 CTA");
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  const BwdMaps m = bwd_maps<COLS * SPLIT, BLOCK_N>(a);
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim = {SPLIT, 1, 1};
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(a.n_items * a.num_kv_heads * SPLIT);
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = SMEM_BYTES;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, m.q, m.k, m.v, m.dout, m.dq, bwd_params(a));
+}
+
+}  // namespace
+
+void dkdv_dq_cols(const DkdvArgs& args, void* stream) {
+  if (args.n_items == 0) return;
+  launch_for_dtype(args.fp16, [&](auto t) {
+    using T = decltype(t);
+    if (args.head_dim == 256)
+      launch<T, 1>(args, static_cast<cudaStream_t>(stream));
+    else
+      launch<T, 2>(args, static_cast<cudaStream_t>(stream));
+  });
+}
+
+}  // namespace dualkv_sm90
