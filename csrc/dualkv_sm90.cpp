@@ -34,16 +34,25 @@ void check_fp32(const at::Tensor& t, const char* name) {
               " must be a contiguous CUDA float32 tensor");
 }
 
-void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
-             const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& items, const at::Tensor& dk,
-             const at::Tensor& dv, const at::Tensor& partial_dk, const at::Tensor& partial_dv, const at::Tensor& dq_acc,
-             double sm_scale) {
+// The head dim D of q (T, Hq, D), k and v (T, Hkv, D), checked: a head dim the kernels of `pass`
+// take, and Hkv dividing Hq
+int64_t checked_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* pass) {
   const int64_t D = q.dim() == 3 ? q.size(2) : 0;
-  TORCH_CHECK(D == 128 || D == 256 || D == 512, "the native dK/dV pass takes head dim 128, 256 or 512, got q of shape ",
+  TORCH_CHECK(D == 128 || D == 256 || D == 512, "the native ", pass, " takes head dim 128, 256 or 512, got q of shape ",
               q.sizes());
   check_heads(q, "q", D);
   check_heads(k, "k", D);
   check_heads(v, "v", D);
+  TORCH_CHECK(k.size(0) == q.size(0) && v.sizes() == k.sizes() && q.size(1) % k.size(1) == 0,
+              "shapes: q (T, Hq, D), k/v (T, Hkv, D) with Hkv dividing Hq");
+  return D;
+}
+
+void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
+             const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& items, const at::Tensor& dk,
+             const at::Tensor& dv, const at::Tensor& partial_dk, const at::Tensor& partial_dv, const at::Tensor& dq_acc,
+             double sm_scale) {
+  const int64_t D = checked_head_dim(q, k, v, "dK/dV pass");
   check_heads(dout, "dout", D);
   check_heads(dk, "dk", D);
   check_heads(dv, "dv", D);
@@ -51,10 +60,9 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   check_dtype(q, {&k, &v, &dout, &dk, &dv}, "q, k, v, dout, dk, dv");
   check_table(items, "items");
   const int T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
-  TORCH_CHECK(k.size(0) == T && v.sizes() == k.sizes() && dout.sizes() == q.sizes() && Hq % Hkv == 0,
-              "shapes: q/dout (T, Hq, D), k/v (T, Hkv, D) with Hkv dividing Hq");
-  TORCH_CHECK(dq_acc.sizes() == q.sizes() && lse.numel() == int64_t(Hq) * T && delta.numel() == lse.numel(),
-              "dq_acc (T, Hq, D), lse and delta (Hq, T)");
+  TORCH_CHECK(dout.sizes() == q.sizes() && dq_acc.sizes() == q.sizes() && lse.numel() == int64_t(Hq) * T &&
+                  delta.numel() == lse.numel(),
+              "dout and dq_acc (T, Hq, D), lse and delta (Hq, T)");
 
   const c10::cuda::CUDAGuard guard(q.device());
   dualkv_sm90::DkdvArgs a{};
@@ -81,19 +89,13 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
          const at::Tensor& lse, double sm_scale) {
-  const int64_t D = q.dim() == 3 ? q.size(2) : 0;
-  TORCH_CHECK(D == 128 || D == 256 || D == 512, "the native forward takes head dim 128, 256 or 512, got q of shape ",
-              q.sizes());
-  check_heads(q, "q", D);
-  check_heads(k, "k", D);
-  check_heads(v, "v", D);
+  const int64_t D = checked_head_dim(q, k, v, "forward");
   check_heads(out, "out", D);
   check_fp32(lse, "lse");
   check_dtype(q, {&k, &v, &out}, "q, k, v, out");
   check_table(tiles, "tiles");
   const int T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
-  TORCH_CHECK(k.size(0) == T && v.sizes() == k.sizes() && out.sizes() == q.sizes() && Hq % Hkv == 0 &&
-                  lse.numel() == int64_t(Hq) * T, "shapes: q/out (T, Hq, D), k/v (T, Hkv, D), lse (Hq, T)");
+  TORCH_CHECK(out.sizes() == q.sizes() && lse.numel() == int64_t(Hq) * T, "shapes: out (T, Hq, D), lse (Hq, T)");
 
   const c10::cuda::CUDAGuard guard(q.device());
   dualkv_sm90::FwdArgs a{};

@@ -30,12 +30,12 @@ import torch
 INT32_MAX = 2**31 - 1
 
 
-
 def causal_pairs(n: int, window_size: Optional[int] = None) -> int:
     """(query, key) pairs of causal attention over positions 0..n-1: sum over p < n of min(p + 1, window)."""
     if window_size is None or n <= window_size:
         return n * (n + 1) // 2
     return window_size * (window_size + 1) // 2 + (n - window_size) * window_size
+
 
 @dataclass(frozen=True, eq=False)
 class DualKVLayout:

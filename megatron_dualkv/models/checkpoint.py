@@ -428,8 +428,6 @@ def _check_parallel_sizes(card: ModelCard, family: ModelFamily, sizes: ParallelS
     check_model_split(config, family.gpt_model_kwargs(card)["vocab_size"], sizes)
 
 
-
-
 def _hf_config(card: ModelCard) -> dict:
     return {key: value for key, value in card.config.items() if key not in _CARD_ONLY_FIELDS}
 
