@@ -9,9 +9,8 @@
 // sees key j iff i >= j inside the item's query range.
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer: one warp streams the CTA's columns of Q blocks
-// (with their lse and delta rows) into a ring (2 stages at D = 256, 1 at D = 512, where the
-// exchange below takes the space) and of dO blocks into a single stage (K and V take 64 KB, a Q or
-// dO block 32 KB). Warpgroups 1 and 2 own columns [128 w, 128 w + 128) of the CTA's dK, dV and dQ.
+// (with their lse and delta rows) into a 2-stage ring and of dO blocks into a single stage (K and V
+// take 64 KB, a Q or dO block 32 KB). Warpgroups 1 and 2 own columns [128 w, 128 w + 128) of the CTA's dK, dV and dQ.
 // Both compute the whole 64 x 64 S^T and dP^T over the CTA's columns (a 256-column head leaves no
 // registers for a 128-key tile split by keys, as at head dim 128), so that neither waits for the
 // other:
@@ -30,7 +29,9 @@
 // partial scores instead, through each other's shared memory (st.async, completing on the
 // receiver's barrier): S^T as soon as it is done, so that the exchange overlaps the dP^T matmul,
 // and dP^T behind the dV matmul. Each warpgroup sends half of each (both hold them whole). Both
-// CTAs add in the same order (a + b == b + a in fp32), so both see identical P and dS.
+// CTAs add in the same order (a + b == b + a in fp32), so both see identical P and dS. The
+// partials land in the dQ staging boxes, which are free from the end of one step (the copy engine
+// has read them) until the dP^T partial has been read in the next.
 #include "dualkv_bwd_sm90.cuh"
 
 namespace dualkv_sm90 {
@@ -46,16 +47,18 @@ constexpr uint32_t RECV_BYTES = 8 * 128 * sizeof(float4);  // one partial (S^T o
 
 template <int SPLIT>  // CTAs per key tile
 struct alignas(1024) SharedStorage {
-  static constexpr int Q_STAGES = SPLIT == 1 ? 2 : 1;
+  static constexpr int Q_STAGES = 2;
   uint8_t k[PANELS][BLOCK_N * ROW_BYTES];
   uint8_t v[PANELS][BLOCK_N * ROW_BYTES];
   uint8_t q[Q_STAGES][PANELS][BLOCK_M * ROW_BYTES];
   uint8_t dout[PANELS][BLOCK_M * ROW_BYTES];
   uint8_t ds[2][BLOCK_N * ROW_BYTES];     // dS^T (key, query), one per warpgroup
-  uint8_t dq[2][2][BLOCK_M * ROW_BYTES];  // per warpgroup, two (64 queries, 32 fp32) swizzled boxes
-  // the other CTA's partial S^T (which = 0) and dP^T (1): float4 j of consumer thread t at
-  // (which * 8 + j) * 128 + t, so that a warp's loads hit consecutive banks (unused at SPLIT 1)
-  float4 recv[SPLIT == 1 ? 1 : 2 * 8 * 128];
+  union {
+    uint8_t dq[2][2][BLOCK_M * ROW_BYTES];  // per warpgroup, two (64 queries, 32 fp32) swizzled boxes
+    // at SPLIT 2, the other CTA's partial S^T (which = 0) and dP^T (1): float4 j of consumer
+    // thread t at (which * 8 + j) * 128 + t, so that a warp's loads hit consecutive banks
+    float4 recv[2 * 8 * 128];
+  };
   float lse[Q_STAGES][BLOCK_M];
   float delta[Q_STAGES][BLOCK_M];
   uint64_t kv_full;
@@ -64,17 +67,17 @@ struct alignas(1024) SharedStorage {
   uint64_t do_full;
   uint64_t do_empty;
   uint64_t recv_full[2];  // the other CTA's partial S^T (0) or dP^T (1) of this step has landed
-  uint64_t send_ok;       // the other CTA has read what this one sent last step
+  uint64_t send_ok;       // the other CTA's dQ boxes are free: it has read the last partials sent
 };
 
 // Add the other CTA's partial S^T (which = 0) or dP^T (1) over its columns to x, in the consumer
 // warpgroup wg. Each warpgroup sends float4s [4 wg, 4 wg + 4) of its x; S^T waits until the other
-// CTA has read the previous step's partials. (A function, not a lambda: called twice, a lambda
-// was not inlined and x went to local memory.)
+// CTA's dQ boxes are free again (the end of its previous step). (A function, not a lambda: called
+// twice, a lambda was not inlined and x went to local memory.)
 template <typename Smem>
 __device__ __forceinline__ void add_peer_partial(float (&x)[32], int which, Smem& s, int rank, int wg, int step,
                                                  int steps) {
-  const int t = threadIdx.x % 128, lane = threadIdx.x % 32;
+  const int t = threadIdx.x % 128;
   const uint32_t peer = rank ^ 1;
   if (which == 0 && step > 0) mbar_wait<true>(&s.send_ok, (step - 1) & 1);
   const uint32_t peer_bar = peer_shared(&s.recv_full[which], peer);
@@ -85,17 +88,15 @@ __device__ __forceinline__ void add_peer_partial(float (&x)[32], int which, Smem
                   x[4 * j + 3], peer_bar);
   }
   mbar_wait(&s.recv_full[which], step & 1);
-  // arm the next step's phase before the other CTA may send into it (send_ok below), so that its
-  // bytes never land ahead of the expectation
+  // arm the next step's phase before the other CTA may send into it (send_ok, at the end of this
+  // step), so that its bytes never land ahead of the expectation
   if (threadIdx.x == 128 && step + 1 < steps) mbar_arrive_expect_tx(&s.recv_full[which], RECV_BYTES);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float4 r = s.recv[(which * 8 + j) * 128 + t];
     x[4 * j] += r.x, x[4 * j + 1] += r.y, x[4 * j + 2] += r.z, x[4 * j + 3] += r.w;
   }
-  // after the last step nothing more is sent, and the other CTA may have finished
-  __syncwarp();
-  if (which == 1 && lane == 0 && step + 1 < steps) mbar_arrive_cluster(peer_shared(&s.send_ok, peer));
+  if (which == 1) consumers_sync();  // both warpgroups have read the partials: the dQ boxes are free
 }
 
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(&s.recv_full[i], 1);
       if (SPLIT > 1) mbar_arrive_expect_tx(&s.recv_full[i], RECV_BYTES);
     }
-    mbar_init(&s.send_ok, CONSUMER_WARPS);  // the other CTA's consumer warps
+    mbar_init(&s.send_ok, 2);  // the dQ issuers of the other CTA's consumer warpgroups
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if constexpr (SPLIT > 1)
@@ -303,6 +304,12 @@ __global__ void __launch_bounds__(THREADS, 1)
       wgmma_wait<0>();
       fence_regs(dq1);
       add_dq(dq1, 1, h, q0);
+      // the other CTA may send the next partials into the boxes once the copy engine has read them
+      // (after the last step nothing more is sent, and the other CTA may have finished)
+      if (SPLIT > 1 && dq_issuer && step + 1 < steps) {
+        bulk_wait_read();
+        mbar_arrive_cluster(peer_shared(&s.send_ok, rank ^ 1));
+      }
     }
     if (dq_issuer) bulk_wait();
 

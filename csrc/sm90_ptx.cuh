@@ -108,6 +108,9 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;" ::"r"(4 + wg) : "memory"); }
 __device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;" ::"r"(5 - wg) : "memory"); }
 
+// both consumer warpgroups (named barrier 1)
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
 // one consumer warpgroup (named barriers 2 and 3)
 __device__ __forceinline__ void warpgroup_sync(int wg) {
   asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");
