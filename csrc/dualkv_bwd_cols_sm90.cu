@@ -111,11 +111,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   Smem& s = aligned_shared<Smem>(smem_raw);
 
-  // heads vary fastest, so the heaviest items (tables are sorted heaviest first) start first; the
-  // SPLIT CTAs of a cluster are adjacent
+  // heads vary slowest: the CTAs running at once take one key/value head's items, which the table
+  // lists query chunk by query chunk, so that they share Q, dO and dQ rows in L2 (key_items in
+  // dualkv_attn.py); the SPLIT CTAs of a cluster are adjacent
   const int rank = blockIdx.x % SPLIT, col0 = COLS * rank;
-  const int hk = blockIdx.x / SPLIT % p.num_kv_heads;
-  const int32_t* item = p.items + (blockIdx.x / SPLIT / p.num_kv_heads) * 5;
+  const int n_items = gridDim.x / SPLIT / p.num_kv_heads;
+  const int hk = blockIdx.x / SPLIT / n_items;
+  const int32_t* item = p.items + (blockIdx.x / SPLIT % n_items) * 5;
   const int k_start = item[0], k_end = item[1], q_lo = item[2], q_hi = item[3], slot = item[4];
   const int group = p.num_heads / p.num_kv_heads;
   const int q_blocks = (q_hi - q_lo + BLOCK_M - 1) / BLOCK_M;

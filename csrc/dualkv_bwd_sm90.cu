@@ -61,9 +61,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& s = aligned_shared<SharedStorage, true>(smem_raw);  // generic: see aligned_shared
 
-  // heads vary fastest, so the heaviest items (tables are sorted heaviest first) start first
-  const int hk = blockIdx.x % p.num_kv_heads;
-  const int32_t* item = p.items + (blockIdx.x / p.num_kv_heads) * 5;
+  // heads vary slowest: the CTAs running at once take one key/value head's items, which the table
+  // lists query chunk by query chunk, so that they share Q, dO and dQ rows in L2 (key_items in
+  // dualkv_attn.py)
+  const int n_items = gridDim.x / p.num_kv_heads;
+  const int hk = blockIdx.x / n_items;
+  const int32_t* item = p.items + (blockIdx.x % n_items) * 5;
   const int k_start = item[0], k_end = item[1], q_lo = item[2], q_hi = item[3], slot = item[4];
   const int group = p.num_heads / p.num_kv_heads;
   const int q_blocks = (q_hi - q_lo + BLOCK_M - 1) / BLOCK_M;

@@ -72,9 +72,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   SharedStorage<D>& s = aligned_shared<SharedStorage<D>>(smem_raw);
 
-  // heads vary fastest, so the heaviest tiles (tables are sorted heaviest first) start first
-  const int h = blockIdx.x % p.num_heads;
-  const int32_t* tile = p.tiles + (blockIdx.x / p.num_heads) * 5;
+  // heads vary slowest, so that the CTAs running at once stream the same keys and values (from L2);
+  // inside a head the heaviest tiles (tables are sorted heaviest first) start first
+  const int n_tiles = gridDim.x / p.num_heads;
+  const int h = blockIdx.x / n_tiles;
+  const int32_t* tile = p.tiles + (blockIdx.x % n_tiles) * 5;
   const int q_start = tile[0], q_end = tile[1], seg_start = tile[2], prefix_start = tile[3], prefix_len = tile[4];
   const int prefix_blocks = (prefix_len + BLOCK_N - 1) / BLOCK_N;
   const int blocks = prefix_blocks + (q_end - seg_start + BLOCK_N - 1) / BLOCK_N;

@@ -109,6 +109,18 @@ def test_key_items_cover_every_visible_pair_once():
     assert torch.all(count[~mask & (torch.arange(layout.total_tokens)[:, None] > torch.arange(layout.total_tokens))] == 0)
 
 
+def test_key_items_list_group_aligned_query_chunks_in_order():
+    """Items running at once should share query rows (dQ and Q/dO stay in L2): the chunks are
+    aligned to the group, not to the key tile, and the table lists them chunk by chunk."""
+    layout = DualKVLayout((300,), ((50,) * 6,))
+    items, _, _ = key_items(layout, 16, 16, 1, 1)
+    q_lo, q_hi = items[:, 2].long(), items[:, 3].long()
+    chunk = int((q_hi - q_lo).max())
+    assert chunk < layout.total_tokens - 16, "the layout should split the prompt's key tiles"
+    assert torch.equal(q_lo // chunk, (q_hi - 1) // chunk), "an item crosses a chunk boundary"
+    assert torch.all((q_lo // chunk).diff() >= 0), "the table is not in chunk order"
+
+
 def test_tables_are_cached_per_layout():
     layout = DualKVLayout((5,), ((3,),))
     assert kernel_tables(layout, 16, 1).fwd_tiles is kernel_tables(layout, 16, 1).fwd_tiles

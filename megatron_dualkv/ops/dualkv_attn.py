@@ -608,6 +608,7 @@ def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: in
 
     items:  (n, 5) int32 ``(k_start, k_end, q_lo, q_hi, slot)``: one key tile and one chunk of the
             queries that see it; ``slot`` -1 writes dK/dV directly, else a partial-buffer slot.
+            Listed chunk by chunk (chunks aligned to the group), heaviest first inside one.
     reduce: (m, 4) int32 ``(k_start, k_end, first_slot, n_slots)`` for tiles split into chunks.
     """
 
@@ -617,27 +618,33 @@ def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: in
         group_end = {}
         for start, length, prefix_start, prefix_len in layout.segments:
             group_end[prefix_start if prefix_len else start] = start + length
-        tiles = []  # (k_start, k_end, q_hi)
-        for start, length, _, prefix_len in layout.segments:
+        tiles = []  # (k_start, k_end, q_hi, group start)
+        for start, length, prefix_start, prefix_len in layout.segments:
+            group_start = prefix_start if prefix_len else start
             q_hi = start + length if prefix_len else group_end[start]
-            tiles += [(k0, min(k0 + block_n, start + length), q_hi) for k0 in range(start, start + length, block_n)]
+            tiles += [(k0, min(k0 + block_n, start + length), q_hi, group_start)
+                      for k0 in range(start, start + length, block_n)]
         # chunk length: enough items for a few waves of the GPU, never below one query block
-        total_queries = sum(q_hi - k0 for k0, _, q_hi in tiles)
+        total_queries = sum(q_hi - k0 for k0, _, q_hi, _ in tiles)
         target_items = max(len(tiles), 4 * sm_count // max(num_kv_heads, 1))
         chunk = max(block_m, -(-total_queries // target_items))
         chunk = -(-chunk // block_m) * block_m
+        # Chunks are aligned to the group and the table lists them chunk by chunk (heaviest first
+        # inside one): the CTAs running at once then read the same Q and dO blocks and add into the
+        # same dQ rows, so these stay in L2 instead of being read from HBM once per key tile.
         items, reduce, slots = [], [], 0
-        for k0, k1, q_hi in tiles:
-            bounds = list(range(k0, q_hi, chunk)) + [q_hi]
+        for k0, k1, q_hi, group_start in tiles:
+            first = group_start + (k0 - group_start) // chunk * chunk
+            bounds = [k0] + list(range(first + chunk, q_hi, chunk)) + [q_hi]
             if len(bounds) == 2:
-                items.append((k0, k1, k0, q_hi, -1))
+                items.append((k0, k1, k0, q_hi, -1, first))
                 continue
             reduce.append((k0, k1, slots, len(bounds) - 1))
             for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-                items.append((k0, k1, lo, hi, slots + c))
+                items.append((k0, k1, lo, hi, slots + c, first + c * chunk))
             slots += len(bounds) - 1
-        items = np.asarray(items, dtype=np.int64).reshape(-1, 5)
-        items = items[np.argsort(-(items[:, 3] - items[:, 2]), kind="stable")]
+        items = np.asarray(items, dtype=np.int64).reshape(-1, 6)  # + the start of the item's chunk
+        items = items[np.lexsort((items[:, 2] - items[:, 3], items[:, 5]))][:, :5]
         return _int32(items, layout.device), _int32(np.asarray(reduce).reshape(-1, 4), layout.device), slots
 
     return layout.derived(("key_items", block_n, block_m, num_kv_heads, sm_count), build)
