@@ -10,7 +10,8 @@
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer: one warp streams the CTA's columns of Q blocks
 // (with their lse and delta rows) into a 2-stage ring and of dO blocks into a single stage (K and V
-// take 64 KB, a Q or dO block 32 KB). Warpgroups 1 and 2 own columns [128 w, 128 w + 128) of the CTA's dK, dV and dQ.
+// take 64 KB, a Q or dO block 32 KB). Warpgroups 1 and 2 own columns [128 w, 128 w + 128) of the
+// CTA's dK, dV and dQ.
 // Both compute the whole 64 x 64 S^T and dP^T over the CTA's columns (a 256-column head leaves no
 // registers for a 128-key tile split by keys, as at head dim 128), so that neither waits for the
 // other:
