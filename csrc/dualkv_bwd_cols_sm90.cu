@@ -100,29 +100,6 @@ __device__ __forceinline__ void add_peer_partial(float (&x)[32], int which, Smem
   if (which == 1) consumers_sync();  // both warpgroups have read the partials: the dQ boxes are free
 }
 
-// A warpgroup's 64 x 64 fp32 dQ block (accumulator layout) -> two (64 queries, 32 fp32) boxes in
-// TMA's 128-byte swizzle (16-byte chunk k of row r at k ^ r % 8), ready for bulk reductions. In
-// store i, lanes with odd g write column group i ^ 2 where the others write group i: a half-warp's
-// 8-byte stores then cover 8 distinct chunks and take one wavefront, where group i in every lane
-// took two (2-way bank conflicts; ncu: run AN in PERF_NOTES.md). -0.5 ms at D = 256, -7.5 at 512;
-// the D = 128 kernel keeps the plain order, which measured 1 ms faster there.
-__device__ __forceinline__ void stage_dq(const float (&dq)[32], uint8_t* box0, uint8_t* box1) {
-  const int wq = threadIdx.x / 32 % 4, g = threadIdx.x % 32 / 4, c = threadIdx.x % 4;
-  const bool odd = g & 1;
-  const int swz = g ^ (odd << 2);  // chunk 2 (j % 4) + c / 2 of group j = i ^ 2 odd, xor g
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = 16 * wq + g + 8 * r;  // row % 8 == g
-      const float x0 = odd ? dq[4 * (i ^ 2) + 2 * r] : dq[4 * i + 2 * r];
-      const float x1 = odd ? dq[4 * (i ^ 2) + 2 * r + 1] : dq[4 * i + 2 * r + 1];
-      *reinterpret_cast<float2*>((i < 4 ? box0 : box1) + row * ROW_BYTES + (((2 * (i % 4) + c / 2) ^ swz) << 4) +
-                                 8 * (c % 2)) = make_float2(x0, x1);
-    }
-  }
-}
-
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
 // (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e)
 template <typename T, int SPLIT>
@@ -135,17 +112,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   Smem& s = aligned_shared<Smem>(smem_raw);
 
-  // heads vary slowest: the CTAs running at once take one key/value head's items, which the table
-  // lists query chunk by query chunk, so that they share Q, dO and dQ rows in L2 (key_items in
-  // dualkv_attn.py); the SPLIT CTAs of a cluster are adjacent
+  // the SPLIT CTAs of a cluster are adjacent and share one item
   const int rank = blockIdx.x % SPLIT, col0 = COLS * rank;
-  const int n_items = gridDim.x / SPLIT / p.num_kv_heads;
-  const int hk = blockIdx.x / SPLIT / n_items;
-  const int32_t* item = p.items + (blockIdx.x / SPLIT % n_items) * 5;
-  const int k_start = item[0], k_end = item[1], q_lo = item[2], q_hi = item[3], slot = item[4];
-  const int group = p.num_heads / p.num_kv_heads;
-  const int q_blocks = (q_hi - q_lo + BLOCK_M - 1) / BLOCK_M;
-  const int steps = group * q_blocks;  // (query head of the group, query block), head-major
+  const BwdItem w = bwd_item(p, blockIdx.x / SPLIT, gridDim.x / SPLIT);
+  const int hk = w.hk, k_start = w.k_start, k_end = w.k_end, q_lo = w.q_lo, q_hi = w.q_hi, slot = w.slot;
+  const int group = w.group, q_blocks = w.q_blocks, steps = w.steps;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
@@ -216,7 +187,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const auto add_dq = [&](const float (&dq)[32], int half, int h, int q0) {
       if (dq_issuer) bulk_wait_read();  // the boxes' previous contents have been read
       warpgroup_sync(wg);
-      stage_dq(dq, s.dq[wg][0], s.dq[wg][1]);
+      stage_dq<true>(dq, s.dq[wg]);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       warpgroup_sync(wg);
       if (dq_issuer) {

@@ -61,16 +61,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   extern __shared__ uint8_t smem_raw[];
   SharedStorage& s = aligned_shared<SharedStorage, true>(smem_raw);  // generic: see aligned_shared
 
-  // heads vary slowest: the CTAs running at once take one key/value head's items, which the table
-  // lists query chunk by query chunk, so that they share Q, dO and dQ rows in L2 (key_items in
-  // dualkv_attn.py)
-  const int n_items = gridDim.x / p.num_kv_heads;
-  const int hk = blockIdx.x / n_items;
-  const int32_t* item = p.items + (blockIdx.x % n_items) * 5;
-  const int k_start = item[0], k_end = item[1], q_lo = item[2], q_hi = item[3], slot = item[4];
-  const int group = p.num_heads / p.num_kv_heads;
-  const int q_blocks = (q_hi - q_lo + BLOCK_M - 1) / BLOCK_M;
-  const int steps = group * q_blocks;  // (query head of the group, query block), head-major
+  const BwdItem w = bwd_item(p, blockIdx.x, gridDim.x);
+  const int hk = w.hk, k_start = w.k_start, k_end = w.k_end, q_lo = w.q_lo, q_hi = w.q_hi, slot = w.slot;
+  const int group = w.group, q_blocks = w.q_blocks, steps = w.steps;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
@@ -140,21 +133,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   // a finished dQ block -> two swizzled (64, 32) fp32 boxes -> bulk reductions. Masked queries
   // have dS = 0, so the block's rows outside [q_lo, q_hi) add exact zeros.
-  // (The bank-conflict-free lane order of stage_dq in dualkv_bwd_cols_sm90.cu measured 1 ms slower
-  // here: run AN.)
   const auto add_dq = [&](const float (&dq)[32], int step) {
     if (dq_issuer) bulk_wait_read();  // the previous block's boxes have been read
     warpgroup_sync(wg);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = 16 * wq + g + 8 * half;  // row % 8 == g
-        uint8_t* box = s.dq[wg][i / 4];
-        *reinterpret_cast<float2*>(box + row * ROW_BYTES + (((2 * (i % 4) + c / 2) ^ g) << 4) + 8 * (c % 2)) =
-            make_float2(dq[4 * i + 2 * half], dq[4 * i + 2 * half + 1]);
-      }
-    }
+    stage_dq<false>(dq, s.dq[wg], wq, g, c);  // the conflict-free order measured slower here
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     warpgroup_sync(wg);
     if (dq_issuer) {

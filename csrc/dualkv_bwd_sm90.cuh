@@ -3,11 +3,12 @@
 // split the head-dim columns). Both run one fused dK/dV + dQ pass per (key tile, query chunk, key/value
 // head) over the Triton kernels' work tables, in steps of 64 queries.
 //
-// Shared: the parameters, the host setup, the producer's lse/delta rows and the once-per-CTA
-// dK/dV store. The per-step consumer code stays written out in each kernel: factoring it into
-// helpers here left the SASS's matmuls and barriers unchanged but cost 1.1 ms of 21.3 at D = 128
-// (PERF_NOTES.md, session 5, run AE). With the helpers below, the step loops compile to the same
-// instructions as without them.
+// Shared: the parameters, the host setup, a CTA's work item, the producer's lse/delta rows, the
+// dQ staging and the once-per-CTA dK/dV store. The rest of the per-step consumer code stays
+// written out in each kernel: factoring it into helpers here left the SASS's matmuls and barriers
+// unchanged but cost 1.1 ms of 21.3 at D = 128 (PERF_NOTES.md, session 5, run AE). With the
+// helpers below, the kernels compile to the same instructions as without them (checked with
+// cuobjdump when they were factored out).
 #pragma once
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
@@ -29,6 +30,29 @@ struct BwdParams {
   float sm_scale, scale_log2;
 };
 
+// A CTA's work: one row of the key_items table (dualkv_attn.py) and one key/value head. `cta` and
+// `n_ctas` count clusters where a cluster shares an item. Heads vary slowest, so that the CTAs
+// running at once take one head's items, which the table lists query chunk by query chunk: they
+// share Q, dO and dQ rows in L2 (PERF_NOTES.md, session 7, run AK).
+struct BwdItem {
+  int hk, k_start, k_end, q_lo, q_hi, slot;
+  int group;     // query heads per key/value head
+  int q_blocks;  // 64-query blocks in [q_lo, q_hi)
+  int steps;     // (query head of the group, query block), head-major
+};
+
+__device__ __forceinline__ BwdItem bwd_item(const BwdParams& p, unsigned cta, unsigned n_ctas) {
+  const int n_items = n_ctas / p.num_kv_heads;
+  const int32_t* item = p.items + (cta % n_items) * 5;
+  BwdItem w;
+  w.hk = cta / n_items;
+  w.k_start = item[0], w.k_end = item[1], w.q_lo = item[2], w.q_hi = item[3], w.slot = item[4];
+  w.group = p.num_heads / p.num_kv_heads;
+  w.q_blocks = (w.q_hi - w.q_lo + BWD_BLOCK_M - 1) / BWD_BLOCK_M;
+  w.steps = w.group * w.q_blocks;
+  return w;
+}
+
 // lse and delta of a step's 64 queries into shared memory, by the 32 lanes of the producer warp
 // (zeros past T; rows past the item's q_hi are masked by the consumers)
 __device__ __forceinline__ void load_lse_delta(float* lse, float* delta, const BwdParams& p, int h, int q0, int lane) {
@@ -37,6 +61,33 @@ __device__ __forceinline__ void load_lse_delta(float* lse, float* delta, const B
     const int64_t at = int64_t(h) * p.T + q0 + r;
     lse[r] = ok ? p.lse[at] : 0.f;
     delta[r] = ok ? p.delta[at] : 0.f;
+  }
+}
+
+// A warpgroup's 64 x 64 fp32 dQ block (accumulator layout) -> two (64 queries, 32 fp32) boxes in
+// TMA's 128-byte swizzle (16-byte chunk k of row r at k ^ r % 8), ready for bulk reductions.
+// Stored plainly (group i of every lane in store i), a half-warp's 8-byte stores cover only 4
+// chunks and take two wavefronts (2-way bank conflicts; ncu: run AN in PERF_NOTES.md).
+// CONFLICT_FREE: lanes with odd g write column group i ^ 2 instead, 8 distinct chunks and one
+// wavefront, for 2 selects per store: -0.5 ms at D = 256, -7.5 at 512, but +1 ms at D = 128.
+// wq, g, c: the thread's warp in its warpgroup, lane / 4 and lane % 4 (the D = 128 kernel passes
+// its own, which keeps its SASS as measured).
+template <bool CONFLICT_FREE>
+__device__ __forceinline__ void stage_dq(const float (&dq)[32], uint8_t (*boxes)[BWD_BLOCK_M * ROW_BYTES],
+                                         int wq = threadIdx.x / 32 % 4, int g = threadIdx.x % 32 / 4,
+                                         int c = threadIdx.x % 4) {
+  const bool odd = CONFLICT_FREE && (g & 1);
+  const int swz = g ^ (odd << 2);  // chunk 2 (j % 4) + c / 2 of group j = i ^ 2 odd, xor g
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 16 * wq + g + 8 * r;  // row % 8 == g
+      const float x0 = odd ? dq[4 * (i ^ 2) + 2 * r] : dq[4 * i + 2 * r];
+      const float x1 = odd ? dq[4 * (i ^ 2) + 2 * r + 1] : dq[4 * i + 2 * r + 1];
+      *reinterpret_cast<float2*>(boxes[i / 4] + row * ROW_BYTES + (((2 * (i % 4) + c / 2) ^ swz) << 4) + 8 * (c % 2)) =
+          make_float2(x0, x1);
+    }
   }
 }
 
