@@ -7,8 +7,8 @@
 // D = 512) into 2-stage K and V rings, first the group's prompt (every key visible; the last block
 // is cut at the prompt's end), then the tile's own segment up to the tile's end (causal).
 // Warpgroups 1 and 2 own 64 query rows each (at D = 512: the same 64 rows, half the columns each;
-// see Tiles) and keep flash-attention 2's online softmax in registers (log2 units,
-// scale_log2 = softmax scale * log2 e):
+// see Tiles and the end of this comment) and keep flash-attention 2's online softmax in registers
+// (log2 units, scale_log2 = softmax scale * log2 e):
 //     S = Q_w K^T (64 x BLOCK_N, wgmma from shared memory)
 //     m' = max(m, rowmax S * scale_log2),  P = 2^(S * scale_log2 - m')
 //     l = l 2^(m - m') + rowsum P,  O = O 2^(m - m') + P V   (P V: P stays in registers as the
@@ -17,6 +17,12 @@
 // The consumer warpgroups take turns issuing their matmuls (ping-pong, see the main loop), so that
 // one's softmax overlaps the other's matmuls on the tensor cores. O takes 128 registers per thread
 // at D = 256 and 512, hence the smaller key blocks there.
+//
+// At D = 512 the two warpgroups share the rows, so each computes S over its half of the head dim
+// only (Q_w K_w^T, 256 columns) and they add their partial S through shared memory (xs): the same
+// S in both (a + b == b + a in fp32), and no S matmul done twice. That holds them in lockstep, so
+// instead of ping-pong each warpgroup overlaps its own work: S of block b+1 runs during the
+// softmax of block b, and the exchange of that S during P V of block b.
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
 
@@ -28,9 +34,10 @@ constexpr int THREADS = 384;
 
 // The tiles of head dim D. How the two consumer warpgroups share a CTA's query tile: up to D = 256
 // each owns 64 rows and all columns (O: D / 2 registers per thread). At D = 512 that would be 256
-// registers, so each owns half the columns of the same 64 rows instead, and both compute the same
-// S. Key blocks shrink as O grows (128 keys at D = 128, 64 at 256, 32 at 512), so that S and P
-// fit beside O and a 2-stage K and V ring fits in shared memory.
+// registers, so each owns half the columns of the same 64 rows instead, and both need the same S
+// (each computes its half of the head dim's sum; see the top). Key blocks shrink as O grows (128
+// keys at D = 128, 64 at 256, 32 at 512), so that S and P fit beside O and a 2-stage K and V ring
+// fits in shared memory.
 template <int D>
 struct Tiles {
   static constexpr bool SPLIT_COLUMNS = D > 256;
@@ -49,7 +56,26 @@ struct alignas(1024) SharedStorage {
   uint64_t q_full;
   uint64_t k_full[STAGES], k_empty[STAGES];
   uint64_t v_full[STAGES], v_empty[STAGES];
+  // at D = 512, each warpgroup's partial S of a block (by block parity): float4 j of consumer
+  // thread t at j * 128 + t, so that a warp's accesses hit consecutive banks
+  float4 xs[Tiles<D>::SPLIT_COLUMNS ? 2 : 1][2][Tiles<D>::SPLIT_COLUMNS ? BLOCK_N / 8 * 128 : 1];
 };
+
+// Add the other consumer warpgroup's partial S of a block (its half of the head dim) to acc, through
+// xs (the buffers of the block's parity). (A function, not a lambda: called twice, a lambda is not
+// always inlined, and an array passed to one can go to local memory.)
+template <int N>
+__device__ __forceinline__ void add_partner_s(float (&acc)[N], float4 (*xs)[N / 4 * 128], int wg) {
+  const int t = threadIdx.x % 128;
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) xs[wg][j * 128 + t] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+  consumers_sync();
+#pragma unroll
+  for (int j = 0; j < N / 4; ++j) {
+    const float4 r = xs[wg ^ 1][j * 128 + t];
+    acc[4 * j] += r.x, acc[4 * j + 1] += r.y, acc[4 * j + 2] += r.z, acc[4 * j + 3] += r.w;
+  }
+}
 
 struct KernelParams {
   const int32_t* tiles;
@@ -130,8 +156,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   float sc[BLOCK_N / 2];
   uint32_t pa[BLOCK_N / 4];  // P of the last block, bf16/fp16, the A operand of its P V
 
-  // Online softmax of block b on S in sc: P into pa, l and m updated, O rescaled
-  const auto softmax = [&](int b) {
+  // Online softmax of block b on S in sc, in three parts: P in sc (unpacked), l and m updated, and
+  // alpha, the factor of O; O rescaled; P packed into pa
+  float alpha[2];
+  const auto softmax_p = [&](int b) {
     // the prompt: keys past its end are invisible; the segment: keys after the query are
     const bool in_prefix = b < prefix_blocks;
     const int key_index0 = (in_prefix ? b : b - prefix_blocks) * BLOCK_N;
@@ -151,7 +179,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) row_max[e >> 1] = fmaxf(row_max[e >> 1], sc[4 * i + e]);
     }
-    float m_sub[2], alpha[2];
+    float m_sub[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffff, row_max[r], 1));
@@ -172,11 +200,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         l[e >> 1] += x;
       }
     }
+  };
+  const auto rescale_o = [&] {
 #pragma unroll
     for (int i = 0; i < O_COLS / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[4 * i + e] *= alpha[e >> 1];
     }
+  };
+  const auto softmax = [&](int b) {
+    softmax_p(b);
+    rescale_o();
     pack_fragments<T>(sc, pa);
   };
   // S = Q_w K^T of block b
@@ -201,6 +235,50 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (lane == 0) mbar_arrive(empty);
   };
 
+  if constexpr (SPLIT_COLUMNS) {
+    // S_w = Q_w K_w^T of block b over the warpgroup's half of the head dim
+    const auto issue_s_half = [&](float (&acc)[BLOCK_N / 2], int b) {
+      mma_ss_head_dim<T, D / 2>(acc, s.q[PANELS / 2 * wg], sizeof(s.q[0]), s.k[b % STAGES][PANELS / 2 * wg],
+                                sizeof(s.k[0][0]));
+    };
+    float sn[BLOCK_N / 2];  // S of the next block
+    mbar_wait(&s.q_full, 0);
+    mbar_wait(&s.k_full[0], 0);
+    wgmma_fence();
+    issue_s_half(sc, 0);
+    wgmma_wait<0>();
+    fence_regs(sc);
+    release(&s.k_empty[0]);
+    add_partner_s(sc, s.xs[0], wg);
+    // O is rescaled only while no matmul runs: ptxas serializes every wgmma of a pipeline stage
+    // in which other instructions touch an accumulator of one (its warning C7514). The last block
+    // is peeled off the loop: with the next block's S issued under a condition, ptxas did that.
+    const auto finish_block = [&](int b) {  // P V of block b, once S of block b + 1 (if any) is done
+      rescale_o();
+      mbar_wait(&s.v_full[b % STAGES], (b / STAGES) & 1);
+      issue_pv(b);
+    };
+    for (int b = 0; b + 1 < blocks; ++b) {
+      mbar_wait(&s.k_full[(b + 1) % STAGES], ((b + 1) / STAGES) & 1);
+      wgmma_fence();
+      issue_s_half(sn, b + 1);
+      softmax_p(b);               // while S of block b + 1 runs
+      pack_fragments<T>(sc, pa);  // P V of block b - 1, the last reader of pa, has completed
+      wgmma_wait<0>();
+      fence_regs(sn);
+      release(&s.k_empty[(b + 1) % STAGES]);
+      finish_block(b);
+      add_partner_s(sn, s.xs[(b + 1) % 2], wg);  // while P V of block b runs
+      wait_all();
+      release(&s.v_empty[b % STAGES]);
+#pragma unroll
+      for (int i = 0; i < BLOCK_N / 2; ++i) sc[i] = sn[i];
+    }
+    softmax_p(blocks - 1);
+    pack_fragments<T>(sc, pa);
+    finish_block(blocks - 1);
+    wait_all();
+  } else {
   // Ping-pong: a warpgroup issues P V of block b-1 and S of block b back to back in its turn,
   // then passes the turn and runs the softmax of block b while the other warpgroup's matmuls
   // keep the tensor cores busy. No matmul is in flight during a softmax, so ptxas has no reason
@@ -235,6 +313,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   turn_pass(wg);
   wait_all();
   if (wg == 0) turn_wait(wg);  // the pass warpgroup 1 made last
+  }
 
   // O / l and lse; rows past the tile (a partial last tile) are not stored
 #pragma unroll
