@@ -68,7 +68,8 @@ template <int N>
 __device__ __forceinline__ void add_partner_s(float (&acc)[N], float4 (*xs)[N / 4 * 128], int wg) {
   const int t = threadIdx.x % 128;
 #pragma unroll
-  for (int j = 0; j < N / 4; ++j) xs[wg][j * 128 + t] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+  for (int j = 0; j < N / 4; ++j)
+    xs[wg][j * 128 + t] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
   consumers_sync();
 #pragma unroll
   for (int j = 0; j < N / 4; ++j) {
@@ -279,40 +280,40 @@ __global__ void __launch_bounds__(THREADS, 1)
     finish_block(blocks - 1);
     wait_all();
   } else {
-  // Ping-pong: a warpgroup issues P V of block b-1 and S of block b back to back in its turn,
-  // then passes the turn and runs the softmax of block b while the other warpgroup's matmuls
-  // keep the tensor cores busy. No matmul is in flight during a softmax, so ptxas has no reason
-  // to insert waits there (PERF_NOTES.md, session 4). Warpgroup 0 takes the first turn.
-  if (wg == 1) turn_pass(wg);
-  mbar_wait(&s.q_full, 0);
-  mbar_wait(&s.k_full[0], 0);
-  turn_wait(wg);
-  wgmma_fence();
-  issue_s(0);
-  turn_pass(wg);
-  wait_all();
-  release(&s.k_empty[0]);
-  softmax(0);
-  for (int b = 1; b < blocks; ++b) {
-    mbar_wait(&s.k_full[b % STAGES], (b / STAGES) & 1);
-    mbar_wait(&s.v_full[(b - 1) % STAGES], ((b - 1) / STAGES) & 1);
+    // Ping-pong: a warpgroup issues P V of block b-1 and S of block b back to back in its turn,
+    // then passes the turn and runs the softmax of block b while the other warpgroup's matmuls
+    // keep the tensor cores busy. No matmul is in flight during a softmax, so ptxas has no reason
+    // to insert waits there (PERF_NOTES.md, session 4). Warpgroup 0 takes the first turn.
+    if (wg == 1) turn_pass(wg);
+    mbar_wait(&s.q_full, 0);
+    mbar_wait(&s.k_full[0], 0);
     turn_wait(wg);
     wgmma_fence();
-    issue_pv(b - 1);
-    issue_s(b);
+    issue_s(0);
     turn_pass(wg);
     wait_all();
-    release(&s.k_empty[b % STAGES]);
-    release(&s.v_empty[(b - 1) % STAGES]);
-    softmax(b);
-  }
-  mbar_wait(&s.v_full[(blocks - 1) % STAGES], ((blocks - 1) / STAGES) & 1);
-  turn_wait(wg);
-  wgmma_fence();
-  issue_pv(blocks - 1);
-  turn_pass(wg);
-  wait_all();
-  if (wg == 0) turn_wait(wg);  // the pass warpgroup 1 made last
+    release(&s.k_empty[0]);
+    softmax(0);
+    for (int b = 1; b < blocks; ++b) {
+      mbar_wait(&s.k_full[b % STAGES], (b / STAGES) & 1);
+      mbar_wait(&s.v_full[(b - 1) % STAGES], ((b - 1) / STAGES) & 1);
+      turn_wait(wg);
+      wgmma_fence();
+      issue_pv(b - 1);
+      issue_s(b);
+      turn_pass(wg);
+      wait_all();
+      release(&s.k_empty[b % STAGES]);
+      release(&s.v_empty[(b - 1) % STAGES]);
+      softmax(b);
+    }
+    mbar_wait(&s.v_full[(blocks - 1) % STAGES], ((blocks - 1) / STAGES) & 1);
+    turn_wait(wg);
+    wgmma_fence();
+    issue_pv(blocks - 1);
+    turn_pass(wg);
+    wait_all();
+    if (wg == 0) turn_wait(wg);  // the pass warpgroup 1 made last
   }
 
   // O / l and lse; rows past the tile (a partial last tile) are not stored
