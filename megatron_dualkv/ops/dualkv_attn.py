@@ -178,9 +178,11 @@ def _fwd_keys(acc, l_i, m_i, q, K, V, k_desc, v_desc, row0, hk, stride_kt, strid
 @triton.jit
 def _program_row(TABLE, NUM_HEADS: tl.constexpr, WIDTH: tl.constexpr):
     """(head, pointer to the table row) of this program: one program per (row, head), heads varying
-    fastest so that the heaviest rows (tables are sorted heaviest first) of every head start first."""
+    slowest, so that the programs running at once take one head's rows and share its K/V (forward)
+    or its Q, dO and dQ rows (backward) in L2, as in the native kernels (PERF_NOTES.md, runs AK, AS)."""
     pid = tl.program_id(0)
-    return pid % NUM_HEADS, TABLE + (pid // NUM_HEADS) * WIDTH
+    rows = tl.num_programs(0) // NUM_HEADS
+    return pid // rows, TABLE + (pid % rows) * WIDTH
 
 
 @triton.jit
