@@ -806,14 +806,34 @@ def _setup_context(ctx, inputs, output):
     ctx.args = args  # sm_scale, window_size, softcap, deterministic, native
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, bwd=dualkv_attn_bwd_op):
     q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions = ctx.saved_tensors
-    dq, dk, dv = dualkv_attn_bwd_op(dout.contiguous(), q, k, v, out, lse, dq_tiles, kv_items, kv_reduce,
-                                    ctx.num_slots, positions, *ctx.args)
+    dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, ctx.num_slots, positions,
+                     *ctx.args)
     return (dq, dk, dv) + (None,) * 11
 
 
 dualkv_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _DualKVAttnEager(torch.autograd.Function):
+    """``dualkv_attn_fwd_op`` and its backward without the custom-op dispatcher, for eager calls. The
+    dispatcher's argument handling took ~90 of ~150 us of host time per forward call on the 2-core
+    CI machine (~200 of ~490 per forward + backward), time that the forward kernel's launch waits
+    for (PERF_NOTES.md, session 8). Under torch.compile the custom op stays."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
+                softcap, deterministic, native):
+        out, lse = _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap, native)
+        _setup_context(ctx, (q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale,
+                             window_size, softcap, deterministic, native), (out, lse))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, bwd=_bwd)
 
 
 def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DualKVLayout,
@@ -834,7 +854,7 @@ def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     layout = layout.to(q.device)
     native = native and native_supported(q, k, v, window_size, softcap, deterministic)
     t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native)
-    out, _ = dualkv_attn_fwd_op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions,
-                                sm_scale, window_size, None if softcap is None else float(softcap), bool(deterministic),
-                                native)
+    op = dualkv_attn_fwd_op if torch.compiler.is_compiling() else _DualKVAttnEager.apply
+    out, _ = op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions, sm_scale,
+                window_size, None if softcap is None else float(softcap), bool(deterministic), native)
     return out
