@@ -823,11 +823,10 @@ class _DualKVAttnEager(torch.autograd.Function):
     for (PERF_NOTES.md, session 8). Under torch.compile the custom op stays."""
 
     @staticmethod
-    def forward(ctx, q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
-                softcap, deterministic, native):
+    def forward(ctx, *inputs):  # dualkv_attn_fwd_op's
+        q, k, v, fwd_tiles, *_, sm_scale, window_size, softcap, _deterministic, native = inputs
         out, lse = _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap, native)
-        _setup_context(ctx, (q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale,
-                             window_size, softcap, deterministic, native), (out, lse))
+        _setup_context(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
