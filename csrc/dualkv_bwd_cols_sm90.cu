@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     mbar_init(&s.kv_full, 1);
     for (int i = 0; i < Q_STAGES; ++i) {
       mbar_init(&s.q_full[i], 32);  // every producer lane (lse, delta rows)
-      mbar_init(&s.q_empty[i], CONSUMER_WARPS);
+      mbar_init(&s.q_empty[i], SPLIT > 1 ? 2 : CONSUMER_WARPS);  // see the dQ staging
     }
     mbar_init(&s.do_full, 1);
     mbar_init(&s.do_empty, CONSUMER_WARPS);
@@ -183,17 +183,22 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     // dQ columns [128 wg + 64 half, + 64) of the CTA's of a finished block -> two swizzled (64, 32)
     // fp32 boxes -> bulk reductions. Masked queries have dS = 0, so rows outside [q_lo, q_hi) add
-    // exact zeros.
-    const auto add_dq = [&](const float (&dq)[32], int half, int h, int q0) {
-      if (dq_issuer) bulk_wait_read();  // the boxes' previous contents have been read
-      warpgroup_sync(wg);
-      stage_dq<true>(dq, s.dq[wg]);
+    // exact zeros. At SPLIT 2 the second half goes to the step's Q stage instead of waiting for the
+    // copy engine to read the first half: panels 2 wg and 2 wg + 1 (one box each), which only this
+    // warpgroup's dK matmul read after both warpgroups' S^T (done: add_peer_partial's
+    // consumers_sync). The stage is released to the producer once the copy engine has read them, at
+    // the top of the next step (q_empty then counts the two dQ issuers).
+    const auto add_dq = [&](const float (&dq)[32], int half, int h, int q0, int st) {
+      uint8_t (*boxes)[BLOCK_M * ROW_BYTES] = SPLIT > 1 && half ? s.q[st] + 2 * wg : s.dq[wg];
+      if (dq_issuer && (SPLIT == 1 || !half)) bulk_wait_read();  // the boxes' previous contents were read
+      warpgroup_sync(wg);  // (for half 1: every warp's slice of the dK matmul has read the Q panels)
+      stage_dq<true>(dq, boxes);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       warpgroup_sync(wg);
       if (dq_issuer) {
         const int col = col0 + 128 * wg + 64 * half;
-        tma_reduce_add(s.dq[wg][0], &tm_dq, col, h, q0);
-        tma_reduce_add(s.dq[wg][1], &tm_dq, col + 32, h, q0);
+        tma_reduce_add(boxes[0], &tm_dq, col, h, q0);
+        tma_reduce_add(boxes[1], &tm_dq, col + 32, h, q0);
       }
     };
 
@@ -204,6 +209,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int q0 = q_lo + (step % q_blocks) * BLOCK_M;
       mbar_wait(&s.q_full[st], (step / Q_STAGES) & 1);
       mbar_wait(&s.do_full, step & 1);
+      if (SPLIT > 1 && dq_issuer && step > 0) {  // the previous step's Q stage holds no unread dQ
+        bulk_wait_read();
+        mbar_arrive(&s.q_empty[(step - 1) % Q_STAGES]);
+      }
 
       // S^T = K Q^T and dP^T = V dO^T over the CTA's 256 columns: A and B both K-major
       float sc[32], dp[32];
@@ -272,7 +281,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       __syncwarp();
       if (lane == 0) {
         mbar_arrive(&s.do_empty);
-        mbar_arrive(&s.q_empty[st]);
+        if (SPLIT == 1) mbar_arrive(&s.q_empty[st]);
       }
 
       // dQ_w = dS K_w in two 64-column halves: A = dS^T read M-major, B = K panel read N-major,
@@ -289,14 +298,15 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       wgmma_wait<1>();
       fence_regs(dq0);
-      add_dq(dq0, 0, h, q0);
+      add_dq(dq0, 0, h, q0, st);
       wgmma_wait<0>();
       fence_regs(dq1);
-      add_dq(dq1, 1, h, q0);
+      add_dq(dq1, 1, h, q0, st);
       // the other CTA may send the next partials into the boxes once the copy engine has read them
-      // (after the last step nothing more is sent, and the other CTA may have finished)
+      // (after the last step nothing more is sent, and the other CTA may have finished): the first
+      // half's two bulk groups, not the second's, which are in the Q stage
       if (SPLIT > 1 && dq_issuer && step + 1 < steps) {
-        bulk_wait_read();
+        bulk_wait_read<2>();
         mbar_arrive_cluster(peer_shared(&s.send_ok, rank ^ 1));
       }
     }

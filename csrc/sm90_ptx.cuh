@@ -126,8 +126,12 @@ __device__ __forceinline__ void tma_reduce_add(const void* src, const CUtensorMa
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
-// the copy engine has read (not necessarily written) every bulk reduction this thread issued
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// the copy engine has read (not necessarily written) every bulk reduction this thread issued but the
+// PENDING most recent bulk groups (one per tma_reduce_add)
+template <int PENDING = 0>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(PENDING) : "memory");
+}
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 __device__ __forceinline__ float exp2_approx(float x) {
