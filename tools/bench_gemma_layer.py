@@ -4,7 +4,8 @@ DualKV attention on the packed layout vs the replicated layout with PyTorch's be
 The layers are those ``build_model`` makes (``models/gemma4-31b.json`` cut to one sliding and one
 global layer, bf16): norms, QKV, attention, output projection, GeGLU MLP. Sliding layer: head dim
 256, 16 key/value heads, window 1024. Global layer: head dim 512, 4 key/value heads, keys as
-values. Packed: one group ``[P][R_1]..[R_N]``, T = P + N*R tokens, DualKV Triton kernels.
+values. Packed: one group ``[P][R_1]..[R_N]``, T = P + N*R tokens, DualKV's default backend (the
+native sm_90 kernels where they apply: the global layer on Hopper; else Triton: the window).
 Replicated: N sequences ``[P][R_i]`` as a ``[P+R, N]`` batch, N*(P+R) tokens, the layer's core
 attention swapped for one PyTorch backend (SDPA cuDNN / flash / memory-efficient, FlexAttention,
 or the flash-attn package when installed); backends that cannot run a shape (flash and cuDNN stop
@@ -14,6 +15,7 @@ Prints a table (median ms, peak memory above the inputs, DualKV speedup over the
 and writes CSV:
 
     python tools/bench_gemma_layer.py --out bench/            # N=16, P=8192, R=1024
+    python tools/bench_gemma_layer.py --baselines none        # DualKV only (the baselines take minutes)
 """
 from __future__ import annotations
 
@@ -153,12 +155,19 @@ def main():
     parser.add_argument("--p", type=int, default=8192)
     parser.add_argument("--r", type=int, default=1024)
     parser.add_argument("--layers", default="sliding,global")
+    parser.add_argument("--baselines", default="all",
+                        help="'all', 'none', or a comma list of the replicated methods to time: "
+                        + ", ".join(sorted(set(sum(BASELINES.values(), [])))))
     parser.add_argument("--out", default="bench")
     args = parser.parse_args()
+    known = set(sum(BASELINES.values(), []))
+    if args.baselines not in ("all", "none") and not set(args.baselines.split(",")) <= known:
+        parser.error(f"--baselines: unknown {sorted(set(args.baselines.split(',')) - known)}; known: {sorted(known)}")
     model = two_layer_model(args.card)
     rows = []
     for kind in args.layers.split(","):
-        rows += run_layer(model, kind, args.n, args.p, args.r, BASELINES[kind])
+        chosen = {"all": BASELINES[kind], "none": []}.get(args.baselines, args.baselines.split(","))
+        rows += run_layer(model, kind, args.n, args.p, args.r, [m for m in BASELINES[kind] if m in chosen])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gemma_layer_{args.n}x{args.p}x{args.r}.csv")
     print(f"\n{torch.cuda.get_device_name()}, {args.card}, N={args.n} P={args.p} R={args.r}; CSV: {path}")
