@@ -6,9 +6,9 @@
 // Shared: the parameters, the host setup, a CTA's work item, the producer's lse/delta rows, the
 // dQ staging and the once-per-CTA dK/dV store. The rest of the per-step consumer code stays
 // written out in each kernel: factoring it into helpers here left the SASS's matmuls and barriers
-// unchanged but cost 1.1 ms of 21.3 at D = 128 (PERF_NOTES.md, session 5, run AE). With the
-// helpers below, the kernels compile to the same instructions as without them (checked with
-// cuobjdump when they were factored out).
+// unchanged but cost 1.1 ms of 21.3 at D = 128 (PERF_NOTES.md, run AE), and the P^T loop alone
+// 1.3 ms (run AT). With the helpers below, the kernels compile to the same instructions as
+// without them (checked with cuobjdump when they were factored out).
 #pragma once
 #include "dualkv_sm90.h"
 #include "sm90_ptx.cuh"
