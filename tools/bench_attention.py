@@ -8,6 +8,13 @@ above the inputs. Prints a table, writes CSV and a PNG plot.
 
     python tools/bench_attention.py --out bench/            # all workloads, all methods
     python tools/bench_attention.py --tune fwd,dq,dkdv --workloads d128-16x8192x1024   # sweep block configs
+    python tools/bench_attention.py --sustained 6 --methods dualkv,flex --workloads d128-16x8192x1024
+
+``--sustained S`` runs each method's forward+backward back to back for S seconds instead, with
+``nvidia-smi`` sampling the SM clock and board power: under these kernels an H200 sits at its
+power limit and lowers its clock, so the time ratio of two methods is their energy ratio, not their
+cycle ratio (PERF_NOTES.md, run AY). The table gives ms per iteration over the last two thirds of
+the loop, the median clock and power there, and from them cycles and joules per iteration.
 """
 from __future__ import annotations
 
@@ -15,8 +22,13 @@ import argparse
 import csv
 import itertools
 import os
+import shutil
+import statistics
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from datetime import datetime
 
 import torch
 import torch.nn.functional as F
@@ -238,6 +250,101 @@ def plot(rows, path, title):
     fig.savefig(path, dpi=120)
 
 
+class GpuSampler:
+    """``nvidia-smi`` sampling (time, SM clock MHz, board power W) every 100 ms in the background.
+    Its timestamps are the machine's local time, as ``datetime.now()``."""
+
+    def __init__(self):
+        if shutil.which("nvidia-smi") is None:
+            raise SystemExit("--sustained reads the clock and power with nvidia-smi, which is not on PATH")
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100",
+             f"--id={torch.cuda.current_device()}"], stdout=subprocess.PIPE, text=True)
+
+    def stop(self):
+        self.proc.terminate()
+        samples = []
+        for line in self.proc.stdout.read().splitlines():
+            stamp, clock, power = (field.strip() for field in line.split(","))
+            try:
+                samples.append((datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f"), float(clock), float(power)))
+            except ValueError:  # "[N/A]" while the driver has no reading
+                continue
+        return samples
+
+
+def sustained(method: str, w: Workload, seconds: float):
+    """Forward+backward back to back for ``seconds``; the last two thirds are timed, so that the
+    clock has settled. Returns the row and that window (start, end) as ``datetime``s."""
+    layout = w.layout()
+    q, k, v = inputs(w)
+    fn, leaves = method_fn(method, w, layout, q, k, v)
+    dout = torch.randn_like(fn())
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        fn().backward(dout)
+
+    def loop_until(deadline):
+        # the host stays at most two iterations ahead: the GPU never idles, and the host's clock
+        # (the window) is the GPU's to within two iterations
+        iterations, queued = 0, []
+        while time.monotonic() < deadline:
+            fwd_bwd()
+            iterations += 1
+            queued.append(torch.cuda.Event())
+            queued[-1].record()
+            if len(queued) > 2:
+                queued.pop(0).synchronize()
+        torch.cuda.synchronize()
+        return iterations
+
+    fwd_bwd()
+    torch.cuda.synchronize()
+    end = time.monotonic() + seconds
+    loop_until(end - 2 * seconds / 3)
+    start_time = datetime.now()
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first.record()
+    iterations = loop_until(end)
+    last.record()
+    torch.cuda.synchronize()
+    return dict(workload=w.name, method=method, ms=first.elapsed_time(last) / iterations), (start_time, datetime.now())
+
+
+def run_sustained(workloads, methods, seconds: float, out: str):
+    sampler = GpuSampler()
+    rows, windows = [], []
+    for w in workloads:
+        for method in methods:
+            try:
+                row, window = sustained(method, w, seconds)
+            except Exception as e:  # noqa: BLE001 - a backend that cannot run a shape is a result too
+                row, window = dict(workload=w.name, method=method, error=f"{type(e).__name__}: {str(e)[:80]}"), None
+            rows.append(row)
+            windows.append(window)
+            torch.cuda.empty_cache()
+            time.sleep(1.0)  # let the clock recover a little between methods, as between benchmark runs
+    samples = sampler.stop()
+    for row, window in zip(rows, windows):
+        inside = [(clock, power) for t, clock, power in samples if window and window[0] <= t <= window[1]]
+        if "error" in row:
+            continue
+        if not inside:
+            row["error"] = "no nvidia-smi samples in the timed window"
+            continue
+        row["clock_mhz"] = statistics.median(clock for clock, _ in inside)
+        row["power_w"] = statistics.median(power for _, power in inside)
+        row["mcycles"] = row["ms"] * row["clock_mhz"] / 1e3
+        row["joules"] = row["ms"] * row["power_w"] / 1e3
+    os.makedirs(out, exist_ok=True)
+    write_table(rows, os.path.join(out, "attention_sustained.csv"), [
+        ("workload", "workload", "22"), ("method", "method", "15"), ("ms", "ms / iter", "10.2f"),
+        ("clock_mhz", "SM MHz", "7.0f"), ("power_w", "power W", "8.0f"), ("mcycles", "Mcycles", "8.1f"),
+        ("joules", "joules", "7.2f")])
+
+
 def write_table(rows, path, columns):
     """``rows`` as CSV at ``path`` and as a printed table. ``columns``: (key, title, format spec) in
     order, then an "error" column; a spec with a precision ("8.2f") marks a measured value, and a
@@ -266,11 +373,16 @@ def main():
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default="bench")
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                        help="instead of the table: each method's fwd+bwd back to back for SECONDS, with clock and power")
     parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv,fused) whose configs to sweep instead")
     parser.add_argument("--configs", default="", help="with --tune: these configs instead of the built-in candidates, "
                         "'block_m,block_n,warps,stages[,tma]' separated by ';'")
     args = parser.parse_args()
     workloads = [w for w in WORKLOADS + TUNING_WORKLOADS if w.name in args.workloads.split(",")]
+    if args.sustained:
+        run_sustained(workloads, args.methods.split(","), args.sustained, args.out)
+        return
     if args.tune:
         configs = [parse_config(c) for c in args.configs.split(";") if c]
         for w in workloads:
