@@ -96,17 +96,38 @@ def test_gradients_are_bitwise_reproducible():
         assert torch.equal(a, b)
 
 
-def test_key_items_cover_every_visible_pair_once():
-    """Each (query, key) pair the mask allows lies in exactly one dK/dV work item."""
+@pytest.mark.parametrize("window", [None, 1, 7, 30])
+def test_key_items_cover_every_visible_pair_once(window):
+    """Each (query, key) pair the mask allows lies in exactly one dK/dV work item, and every query
+    row of an item sees some key of its tile: a window leaves no item of invisible queries."""
     layout = DualKVLayout((45, 3), ((20, 31, 1), (2,)), pad_len=5)
-    items, _, _ = key_items(layout, 16, 16, 2, 8)
+    items, _, _ = key_items(layout, 16, 16, 2, 8, window)
     count = torch.zeros(layout.total_tokens, layout.total_tokens, dtype=torch.int32)
     for k0, k1, q0, q1, _ in items.tolist():
         count[q0:q1, k0:k1] += 1
-    mask = layout.dense_mask()
+    mask = layout.dense_mask(window)
     assert torch.all(count[mask] == 1)
-    # outside the mask, items only hold the causal triangle of their diagonal blocks
-    assert torch.all(count[~mask & (torch.arange(layout.total_tokens)[:, None] > torch.arange(layout.total_tokens))] == 0)
+    for k0, k1, q0, q1, _ in items.tolist():
+        assert mask[q0:q1, k0:k1].any(1).all(), f"item {(k0, k1, q0, q1)} holds queries that see none of its keys"
+    if window is None:  # outside the mask, items only hold the causal triangle of their diagonal blocks
+        assert torch.all(count[~mask & (torch.arange(layout.total_tokens)[:, None] > torch.arange(layout.total_tokens))] == 0)
+
+
+def test_key_items_follow_the_window():
+    """A window leaves a prompt's last key tiles one query range per response (each response's first
+    queries), split into partial-sum slots, and its earlier tiles only the prompt's queries."""
+    layout = DualKVLayout((96,), ((40, 40, 40),))
+    items, reduce, _ = key_items(layout, 16, 16, 1, 1, window=24)
+    last_tile = [q for r in items.tolist() if r[0] == 80 for q in range(r[2], r[3])]
+    # the prompt's rest, then the queries at positions 96..118 (< 95 + 24) of each response
+    assert sorted(last_tile) == [*range(80, 119), *range(136, 159), *range(176, 199)]
+    assert any(r[0] == 80 and r[3] >= 3 for r in reduce.tolist())
+    assert all(r[3] <= 96 for r in items.tolist() if r[0] < 64)  # reach 63 + 24 < 96: no response query
+    full, _, _ = key_items(layout, 16, 16, 1, 1)
+    assert (items[:, 3] - items[:, 2]).sum() < (full[:, 3] - full[:, 2]).sum() / 2
+    for deterministic in (False, True):
+        got, want = run_both(layout, 2, 1, 16, window=24, deterministic=deterministic)
+        assert_matches(got, want)
 
 
 def test_key_items_list_group_aligned_query_chunks_in_order():

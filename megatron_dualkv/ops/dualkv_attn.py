@@ -605,29 +605,56 @@ def query_tiles(layout: DualKVLayout, block_m: int) -> torch.Tensor:
     return layout.derived(("query_tiles", block_m), build)
 
 
-def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: int, sm_count: int):
+def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[int]):
+    """Per key tile ``(k_start, k_end, ranges, group_start)``: the packed query ranges that see some
+    key of the tile, in packed order, adjacent ranges merged.
+
+    A prompt key is seen by the rest of its prompt and by every response of its group (responses
+    follow their prompt); a response key by the rest of its response. A window cuts each at the
+    position ``window`` past the tile's last key: the prompt's queries up to it, and each response's
+    first queries while their positions (from the prompt's length on) stay below it. Without a
+    window that is one range per tile, to the end of the group or of the response.
+    """
+    reach_max = NO_WINDOW if window is None else window
+    responses = {}  # prompt start -> [(start, length)] of its responses
+    for start, length, prefix_start, prefix_len in layout.segments:
+        if prefix_len:
+            responses.setdefault(prefix_start, []).append((start, length))
+    tiles = []
+    for start, length, prefix_start, prefix_len in layout.segments:
+        for k0 in range(start, start + length, block_n):
+            k1 = min(k0 + block_n, start + length)
+            reach = prefix_len + (k1 - 1 - start) + reach_max  # positions below it see the last key
+            ranges = [(k0, start + min(length, reach - prefix_len))]
+            if not prefix_len:  # a prompt's tile: the first queries of each response too
+                ranges += [(r0, r0 + min(r_len, max(reach - length, 0))) for r0, r_len in responses.get(start, [])]
+            merged = []
+            for lo, hi in ranges:
+                if hi <= lo:
+                    continue
+                if merged and merged[-1][1] == lo:
+                    merged[-1] = (merged[-1][0], hi)
+                else:
+                    merged.append((lo, hi))
+            tiles.append((k0, k1, merged, prefix_start if prefix_len else start))
+    return tiles
+
+
+def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: int, sm_count: int,
+              window: Optional[int] = None):
     """Work of the dK/dV pass.
 
     items:  (n, 5) int32 ``(k_start, k_end, q_lo, q_hi, slot)``: one key tile and one chunk of the
-            queries that see it; ``slot`` -1 writes dK/dV directly, else a partial-buffer slot.
+            queries that see it (a window leaves a prompt tile several query ranges, one per
+            response); ``slot`` -1 writes dK/dV directly, else a partial-buffer slot.
             Listed chunk by chunk (chunks aligned to the group), heaviest first inside one.
-    reduce: (m, 4) int32 ``(k_start, k_end, first_slot, n_slots)`` for tiles split into chunks.
+    reduce: (m, 4) int32 ``(k_start, k_end, first_slot, n_slots)`` for tiles split into several items.
     """
 
     def build():
-        # A prompt key is seen by its group's queries up to the group's end (responses follow
-        # their prompt); a response key by its own response's queries.
-        group_end = {}
-        for start, length, prefix_start, prefix_len in layout.segments:
-            group_end[prefix_start if prefix_len else start] = start + length
-        tiles = []  # (k_start, k_end, q_hi, group start)
-        for start, length, prefix_start, prefix_len in layout.segments:
-            group_start = prefix_start if prefix_len else start
-            q_hi = start + length if prefix_len else group_end[start]
-            tiles += [(k0, min(k0 + block_n, start + length), q_hi, group_start)
-                      for k0 in range(start, start + length, block_n)]
+        tiles = _visible_query_ranges(layout, block_n, window)
         # chunk length: enough items for a few waves of the GPU, never below one query block
-        total_queries = sum(q_hi - k0 for k0, _, q_hi, _ in tiles)
+        total_queries = sum(hi - lo for _, _, ranges, _ in tiles for lo, hi in ranges)
         target_items = max(len(tiles), 4 * sm_count // max(num_kv_heads, 1))
         chunk = max(block_m, -(-total_queries // target_items))
         chunk = -(-chunk // block_m) * block_m
@@ -635,21 +662,23 @@ def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: in
         # inside one): the CTAs running at once then read the same Q and dO blocks and add into the
         # same dQ rows, so these stay in L2 instead of being read from HBM once per key tile.
         items, reduce, slots = [], [], 0
-        for k0, k1, q_hi, group_start in tiles:
-            first = group_start + (k0 - group_start) // chunk * chunk
-            bounds = [k0] + list(range(first + chunk, q_hi, chunk)) + [q_hi]
-            if len(bounds) == 2:
-                items.append((k0, k1, k0, q_hi, -1, first))
+        for k0, k1, ranges, group_start in tiles:
+            pieces = []  # (q_lo, q_hi, start of the chunk)
+            for lo, hi in ranges:
+                first = group_start + (lo - group_start) // chunk * chunk
+                bounds = [lo] + list(range(first + chunk, hi, chunk)) + [hi]
+                pieces += [(a, b, first + c * chunk) for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+            if len(pieces) == 1:
+                items.append((k0, k1, pieces[0][0], pieces[0][1], -1, pieces[0][2]))
                 continue
-            reduce.append((k0, k1, slots, len(bounds) - 1))
-            for c, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-                items.append((k0, k1, lo, hi, slots + c, first + c * chunk))
-            slots += len(bounds) - 1
+            reduce.append((k0, k1, slots, len(pieces)))
+            items += [(k0, k1, a, b, slots + c, chunk_start) for c, (a, b, chunk_start) in enumerate(pieces)]
+            slots += len(pieces)
         items = np.asarray(items, dtype=np.int64).reshape(-1, 6)  # + the start of the item's chunk
         items = items[np.lexsort((items[:, 2] - items[:, 3], items[:, 5]))][:, :5]
         return _int32(items, layout.device), _int32(np.asarray(reduce).reshape(-1, 4), layout.device), slots
 
-    return layout.derived(("key_items", block_n, block_m, num_kv_heads, sm_count), build)
+    return layout.derived(("key_items", block_n, block_m, num_kv_heads, sm_count, window), build)
 
 
 # ==================================================================================== launchers
@@ -667,12 +696,14 @@ class KernelTables:
 
 @torch.compiler.disable
 def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
-                  native: bool = False) -> KernelTables:
-    """Host-built, cached per layout: never traced by torch.compile, never a device sync."""
+                  native: bool = False, window_size: Optional[int] = None) -> KernelTables:
+    """Host-built, cached per layout: never traced by torch.compile, never a device sync. The window
+    trims the dK/dV work to the queries that see each key tile."""
     fwd_rows = (NATIVE_FWD_BLOCK_M[head_dim] if _native_forward(head_dim, native)
                 else kernel_config("fwd", head_dim, layout.device).block_m)
     dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native)
-    items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device))
+    items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device),
+                                     window_size)
     fwd_tiles = query_tiles(layout, fwd_rows)
     dq_tiles = query_tiles(layout, dq.block_m) if dq else fwd_tiles  # no dQ pass: a placeholder, not read
     return KernelTables(fwd_tiles, dq_tiles, items, reduce, slots, layout.position_ids)
@@ -852,7 +883,7 @@ def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     layout = layout.to(q.device)
     native = native and native_supported(q, k, v, window_size, softcap, deterministic)
-    t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native)
+    t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native, window_size)
     op = dualkv_attn_fwd_op if torch.compiler.is_compiling() else _DualKVAttnEager.apply
     out, _ = op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions, sm_scale,
                 window_size, None if softcap is None else float(softcap), bool(deterministic), native)
