@@ -70,3 +70,18 @@ def test_edge_layouts(dtype, heads, d):
 def test_fuzzed_layouts(groups, heads, dtype, d):
     layout = pack_groups(groups, pad_to_multiple_of=8).layout.to("cuda")
     check_flash_style(layout, *heads, d, dtype, backend="auto")
+
+
+def test_other_sources_build_under_their_own_name(monkeypatch, tmp_path):
+    """DUALKV_NATIVE_SOURCES (tools/ab_native.py) names another csrc folder, built apart from ours."""
+    from megatron_dualkv.ops.dualkv_attn_sm90 import CSRC, _sources
+
+    monkeypatch.delenv("DUALKV_NATIVE_SOURCES", raising=False)
+    assert _sources() == ("dualkv_sm90", CSRC)
+    (tmp_path / "dualkv_sm90.cpp").write_text("")
+    monkeypatch.setenv("DUALKV_NATIVE_SOURCES", str(tmp_path))
+    name, folder = _sources()
+    assert folder == tmp_path.resolve() and name.startswith("dualkv_sm90_") and name != "dualkv_sm90"
+    monkeypatch.setenv("DUALKV_NATIVE_SOURCES", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="no dualkv_sm90.cpp"):
+        _sources()

@@ -20,9 +20,11 @@ Everything else stays on Triton.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 
@@ -36,17 +38,31 @@ NATIVE_BLOCK_M = 64  # backward: queries per step
 CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 
+def _sources() -> Tuple[str, Path]:
+    """(extension name, source folder): the package's ``csrc/``, or the folder that
+    ``DUALKV_NATIVE_SOURCES`` names (another revision's ``csrc/``, for an A/B:
+    ``tools/ab_native.py``), built under a name of its own so that the two builds never mix."""
+    custom = os.environ.get("DUALKV_NATIVE_SOURCES")
+    if not custom:
+        return "dualkv_sm90", CSRC
+    folder = Path(custom).resolve()
+    if not (folder / "dualkv_sm90.cpp").is_file():
+        raise FileNotFoundError(f"DUALKV_NATIVE_SOURCES={custom!r}: no dualkv_sm90.cpp there (expected a csrc/ folder)")
+    return f"dualkv_sm90_{hashlib.sha1(str(folder).encode()).hexdigest()[:10]}", folder
+
+
 @functools.cache
 def _extension():
     """The compiled extension, or None where it cannot be built here (with one warning, unless it
     was switched off or this install has no sources)."""
-    if os.environ.get("DUALKV_NATIVE", "1") == "0" or not CSRC.is_dir():
+    name, csrc = _sources()
+    if os.environ.get("DUALKV_NATIVE", "1") == "0" or not csrc.is_dir():
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        sources = [str(path) for path in (CSRC / "dualkv_sm90.cpp", *sorted(CSRC.glob("*.cu")))]
-        return load(name="dualkv_sm90", sources=sources,
+        sources = [str(path) for path in (csrc / "dualkv_sm90.cpp", *sorted(csrc.glob("*.cu")))]
+        return load(name=name, sources=sources,
                     extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
                     extra_cflags=["-O3", "-std=c++17"])
     except Exception as exc:  # no nvcc, no sources in this install, a compiler error

@@ -1,0 +1,138 @@
+"""A/B of native-kernel sources on the GPU: variants of ``csrc/`` timed against each other.
+
+Each variant is a source folder, e.g. another revision's::
+
+    git archive wip/branch csrc | tar -x -C /tmp/new
+    python tools/ab_native.py --variants main=csrc,new=/tmp/new/csrc --workloads d128-16x8192x1024 --rounds 2 --test
+
+Every variant is built first (in parallel, under a name of its own: ``DUALKV_NATIVE_SOURCES``).
+Then each round runs ``bench_attention.py --methods dualkv`` once per variant, each in its own
+process, variants alternating, so that the card's clock and temperature drift over all of them
+alike; differences below the spread of one variant's rounds are noise (PERF_NOTES.md). With
+``--sustained S`` the rounds run ``bench_attention.py --sustained S`` instead (time, clock and
+joules at the power limit). ``--test`` runs ``tests/test_dualkv_attn_sm90.py`` with each variant
+(all at once, after the timing). Prints every round and the median per workload and variant, and
+writes ``ab_native.csv`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_variants(text: str) -> dict:
+    """``name=folder,...`` -> {name: absolute folder}; each folder must hold a csrc tree."""
+    variants = {}
+    for spec in text.split(","):
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise ValueError(f"--variants: {spec!r} is not name=folder")
+        if name in variants:
+            raise ValueError(f"--variants: {name!r} given twice")
+        path = Path(folder).resolve()
+        if not (path / "dualkv_sm90.cpp").is_file():
+            raise ValueError(f"--variants: {folder!r} holds no dualkv_sm90.cpp (expected a csrc/ folder)")
+        variants[name] = path
+    return variants
+
+
+def variant_env(folder: Path) -> dict:
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "DUALKV_NATIVE_SOURCES": str(folder), "PYTHONPATH": os.pathsep.join(path)}
+
+
+def build(variants: dict) -> None:
+    """Build every variant at once; stop at the first that does not build (a silent fallback to
+    the Triton kernels would make the A/B compare the wrong thing)."""
+    check = "from megatron_dualkv.ops.dualkv_attn_sm90 import _extension; assert _extension() is not None"
+    start = time.time()
+    procs = {name: subprocess.Popen([sys.executable, "-c", check], env=variant_env(folder),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, folder in variants.items()}
+    for name, proc in procs.items():
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"variant {name!r} did not build:\n{out[-3000:]}")
+    print(f"built {', '.join(variants)} in {time.time() - start:.0f} s", flush=True)
+
+
+def bench_round(name: str, folder: Path, workloads: str, sustained: float, tmp: Path) -> list:
+    out = tmp / name
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--workloads", workloads, "--methods", "dualkv",
+           "--out", str(out)]
+    if sustained:
+        cmd += ["--sustained", str(sustained)]
+    subprocess.run(cmd, env=variant_env(folder), check=True, stdout=subprocess.DEVNULL)
+    with open(out / ("attention_sustained.csv" if sustained else "attention.csv")) as f:
+        return [row for row in csv.DictReader(f)]
+
+
+def run_tests(variants: dict) -> None:
+    procs = {name: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     str(ROOT / "tests" / "test_dualkv_attn_sm90.py")], env=variant_env(folder),
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, folder in variants.items()}
+    for name, proc in procs.items():
+        out, _ = proc.communicate()
+        print(f"tests with {name}: {out.strip().splitlines()[-1] if out.strip() else proc.returncode}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", required=True, help="name=csrc_folder,... (two or more, or one with --test)")
+    parser.add_argument("--workloads", default="d128-16x8192x1024", help="bench_attention.py workload names")
+    parser.add_argument("--rounds", type=int, default=2, help="0: build (and --test) only")
+    parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                        help="time with bench_attention.py --sustained SECONDS (clock and joules too)")
+    parser.add_argument("--test", action="store_true", help="also run tests/test_dualkv_attn_sm90.py with each variant")
+    parser.add_argument("--out", default="bench")
+    args = parser.parse_args()
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError as e:
+        parser.error(str(e))
+    build(variants)
+    time_key = "ms" if args.sustained else "fwd_bwd_ms"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for name, folder in variants.items():
+                for row in bench_round(name, folder, args.workloads, args.sustained, Path(tmp) / f"round{r}"):
+                    if row.get("error"):
+                        raise SystemExit(f"variant {name!r} failed on {row['workload']}: {row['error']}")
+                    rows.append({"round": r, "variant": name, **row})
+                    extra = f"  {float(row['clock_mhz']):.0f} MHz {float(row['joules']):.2f} J" if args.sustained else \
+                        f"  (fwd {float(row['fwd_ms']):.3f})"
+                    print(f"round {r} {row['workload']:22s} {name:20s} {float(row[time_key]):9.3f} ms{extra}", flush=True)
+    if not rows:
+        if args.test:
+            run_tests(variants)
+        return
+    print()
+    for workload in dict.fromkeys(row["workload"] for row in rows):
+        for name in variants:
+            times = [float(row[time_key]) for row in rows if row["workload"] == workload and row["variant"] == name]
+            print(f"{workload:22s} {name:20s} median {statistics.median(times):9.3f} ms  rounds "
+                  + " ".join(f"{t:.3f}" for t in times))
+    os.makedirs(args.out, exist_ok=True)
+    path = Path(args.out) / "ab_native.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, list(dict.fromkeys(key for row in rows for key in row)))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"CSV: {path}")
+    if args.test:
+        run_tests(variants)
+
+
+if __name__ == "__main__":
+    main()
