@@ -2,8 +2,8 @@
 
 Each variant is a source folder, e.g. another revision's::
 
-    git archive wip/branch csrc | tar -x -C /tmp/new
-    python tools/ab_native.py --variants main=csrc,new=/tmp/new/csrc --workloads d128-16x8192x1024 --rounds 2 --test
+    mkdir -p ab/new && git archive wip/branch csrc | tar -x -C ab/new
+    python tools/ab_native.py --variants main=csrc,new=ab/new/csrc --workloads d128-16x8192x1024 --rounds 2 --test
 
 Every variant is built first (in parallel, under a name of its own: ``DUALKV_NATIVE_SOURCES``).
 Then each round runs ``bench_attention.py --methods dualkv`` once per variant, each in its own
