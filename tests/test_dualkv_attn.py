@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
 from megatron_dualkv.ops import dualkv_attn as kernels
 from megatron_dualkv.ops.dualkv_attn import KernelConfig, kernel_config, key_items, kernel_tables
-from strategies import rollout_groups
+from strategies import layout_lengths, rollout_groups
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests; GPU has its own module")
 
@@ -96,12 +96,12 @@ def test_gradients_are_bitwise_reproducible():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("window", [None, 1, 7, 30])
-def test_key_items_cover_every_visible_pair_once(window):
+def assert_key_items_cover_the_mask(layout, window, block_n, block_m, sm_count):
     """Each (query, key) pair the mask allows lies in exactly one dK/dV work item, and every query
     row of an item sees some key of its tile: a window leaves no item of invisible queries."""
-    layout = DualKVLayout((45, 3), ((20, 31, 1), (2,)), pad_len=5)
-    items, _, _ = key_items(layout, 16, 16, 2, 8, window)
+    items, reduce, slots = key_items(layout, block_n, block_m, 2, sm_count, window)
+    used = sorted(r[4] for r in items.tolist() if r[4] >= 0)
+    assert used == list(range(slots)) and sum(r[3] for r in reduce.tolist()) == slots
     count = torch.zeros(layout.total_tokens, layout.total_tokens, dtype=torch.int32)
     for k0, k1, q0, q1, _ in items.tolist():
         count[q0:q1, k0:k1] += 1
@@ -111,6 +111,20 @@ def test_key_items_cover_every_visible_pair_once(window):
         assert mask[q0:q1, k0:k1].any(1).all(), f"item {(k0, k1, q0, q1)} holds queries that see none of its keys"
     if window is None:  # outside the mask, items only hold the causal triangle of their diagonal blocks
         assert torch.all(count[~mask & (torch.arange(layout.total_tokens)[:, None] > torch.arange(layout.total_tokens))] == 0)
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 30])
+def test_key_items_cover_every_visible_pair_once(window):
+    assert_key_items_cover_the_mask(DualKVLayout((45, 3), ((20, 31, 1), (2,)), pad_len=5), window, 16, 16, 8)
+
+
+@given(st.data(), st.one_of(st.none(), st.integers(1, 60)), st.sampled_from([(16, 16), (8, 4), (32, 16)]),
+       st.sampled_from([1, 8, 132]))
+@settings(max_examples=40, deadline=None)
+def test_key_items_cover_the_mask_on_fuzzed_layouts(data, window, blocks, sm_count):
+    prompts, responses = layout_lengths(data.draw, max_groups=4, max_prompt=50, max_responses=4, max_response=40)
+    layout = DualKVLayout(prompts, responses, pad_len=data.draw(st.sampled_from([0, 5])))
+    assert_key_items_cover_the_mask(layout, window, *blocks, sm_count)
 
 
 def test_key_items_follow_the_window():
