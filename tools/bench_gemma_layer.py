@@ -37,6 +37,7 @@ BASELINES = {
     "sliding": ["flex", "flash_attn", "sdpa_efficient", "sdpa_cudnn"],
     "global": ["sdpa_efficient", "sdpa_cudnn", "sdpa_flash", "flex"],
 }
+KNOWN_BASELINES = sorted(set(sum(BASELINES.values(), [])))
 
 
 def two_layer_model(card_name: str):
@@ -157,12 +158,12 @@ def main():
     parser.add_argument("--layers", default="sliding,global")
     parser.add_argument("--baselines", default="all",
                         help="'all', 'none', or a comma list of the replicated methods to time: "
-                        + ", ".join(sorted(set(sum(BASELINES.values(), [])))))
+                        + ", ".join(KNOWN_BASELINES))
     parser.add_argument("--out", default="bench")
     args = parser.parse_args()
-    known = set(sum(BASELINES.values(), []))
-    if args.baselines not in ("all", "none") and not set(args.baselines.split(",")) <= known:
-        parser.error(f"--baselines: unknown {sorted(set(args.baselines.split(',')) - known)}; known: {sorted(known)}")
+    unknown = set(args.baselines.split(",")) - set(KNOWN_BASELINES)
+    if args.baselines not in ("all", "none") and unknown:
+        parser.error(f"--baselines: unknown {sorted(unknown)}; known: {KNOWN_BASELINES}")
     model = two_layer_model(args.card)
     rows = []
     for kind in args.layers.split(","):
