@@ -257,9 +257,12 @@ class GpuSampler:
     def __init__(self):
         if shutil.which("nvidia-smi") is None:
             raise SystemExit("--sustained reads the clock and power with nvidia-smi, which is not on PATH")
+        # the UUID names this process's GPU whatever CUDA_VISIBLE_DEVICES renumbered
+        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+        gpu = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
         self.proc = subprocess.Popen(
             ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100",
-             f"--id={torch.cuda.current_device()}"], stdout=subprocess.PIPE, text=True)
+             f"--id={gpu}"], stdout=subprocess.PIPE, text=True)
 
     def stop(self):
         self.proc.terminate()
