@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from megatron_dualkv.ops.dualkv_attn_sm90 import native_source_folder  # noqa: E402
 
 
 def parse_variants(text: str) -> dict:
@@ -38,10 +40,10 @@ def parse_variants(text: str) -> dict:
             raise ValueError(f"--variants: {spec!r} is not name=folder")
         if name in variants:
             raise ValueError(f"--variants: {name!r} given twice")
-        path = Path(folder).resolve()
-        if not (path / "dualkv_sm90.cpp").is_file():
-            raise ValueError(f"--variants: {folder!r} holds no dualkv_sm90.cpp (expected a csrc/ folder)")
-        variants[name] = path
+        try:
+            variants[name] = native_source_folder(folder, "--variants")
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
     return variants
 
 

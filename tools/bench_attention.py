@@ -136,12 +136,17 @@ def method_fn(method: str, w: Workload, layout: DualKVLayout, q, k, v):
     return run, x
 
 
-def measure(method: str, w: Workload):
+def prepared(method: str, w: Workload):
+    """(layout, the call returning the output, its leaf tensors, an output gradient) of one method
+    on one workload's random inputs."""
     layout = w.layout()
     q, k, v = inputs(w)
     fn, leaves = method_fn(method, w, layout, q, k, v)
-    out = fn()
-    dout = torch.randn_like(out)
+    return layout, fn, leaves, torch.randn_like(fn())
+
+
+def measure(method: str, w: Workload):
+    layout, fn, leaves, dout = prepared(method, w)
 
     def fwd_bwd():
         fn().backward(dout)
@@ -150,7 +155,6 @@ def measure(method: str, w: Workload):
     torch.cuda.synchronize()
     fwd_ms = bench(fn)
     fwd_bwd_ms = bench(fwd_bwd, grad_to_none=leaves)
-    del out
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -279,10 +283,7 @@ class GpuSampler:
 def sustained(method: str, w: Workload, seconds: float):
     """Forward+backward back to back for ``seconds``; the last two thirds are timed, so that the
     clock has settled. Returns the row and that window (start, end) as ``datetime``s."""
-    layout = w.layout()
-    q, k, v = inputs(w)
-    fn, leaves = method_fn(method, w, layout, q, k, v)
-    dout = torch.randn_like(fn())
+    _, fn, leaves, dout = prepared(method, w)
 
     def fwd_bwd():
         for x in leaves:

@@ -615,7 +615,6 @@ def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[i
     first queries while their positions (from the prompt's length on) stay below it. Without a
     window that is one range per tile, to the end of the group or of the response.
     """
-    reach_max = NO_WINDOW if window is None else window
     responses = {}  # prompt start -> [(start, length)] of its responses
     for start, length, prefix_start, prefix_len in layout.segments:
         if prefix_len:
@@ -624,7 +623,7 @@ def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[i
     for start, length, prefix_start, prefix_len in layout.segments:
         for k0 in range(start, start + length, block_n):
             k1 = min(k0 + block_n, start + length)
-            reach = prefix_len + (k1 - 1 - start) + reach_max  # positions below it see the last key
+            reach = prefix_len + (k1 - 1 - start) + _window(window)  # positions below it see the last key
             ranges = [(k0, start + min(length, reach - prefix_len))]
             if not prefix_len:  # a prompt's tile: the first queries of each response too
                 ranges += [(r0, r0 + min(r_len, max(reach - length, 0))) for r0, r_len in responses.get(start, [])]

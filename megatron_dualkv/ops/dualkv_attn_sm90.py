@@ -38,6 +38,15 @@ NATIVE_BLOCK_M = 64  # backward: queries per step
 CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 
+def native_source_folder(path, what: str) -> Path:
+    """``path`` resolved, checked to hold the native kernels' sources (a ``csrc/`` folder); ``what``
+    names where the path came from in the error."""
+    folder = Path(path).resolve()
+    if not (folder / "dualkv_sm90.cpp").is_file():
+        raise FileNotFoundError(f"{what}: {str(path)!r} holds no dualkv_sm90.cpp (expected a csrc/ folder)")
+    return folder
+
+
 def _sources() -> Tuple[str, Path]:
     """(extension name, source folder): the package's ``csrc/``, or the folder that
     ``DUALKV_NATIVE_SOURCES`` names (another revision's ``csrc/``, for an A/B:
@@ -45,9 +54,7 @@ def _sources() -> Tuple[str, Path]:
     custom = os.environ.get("DUALKV_NATIVE_SOURCES")
     if not custom:
         return "dualkv_sm90", CSRC
-    folder = Path(custom).resolve()
-    if not (folder / "dualkv_sm90.cpp").is_file():
-        raise FileNotFoundError(f"DUALKV_NATIVE_SOURCES={custom!r}: no dualkv_sm90.cpp there (expected a csrc/ folder)")
+    folder = native_source_folder(custom, "DUALKV_NATIVE_SOURCES")
     return f"dualkv_sm90_{hashlib.sha1(str(folder).encode()).hexdigest()[:10]}", folder
 
 
