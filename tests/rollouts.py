@@ -25,7 +25,7 @@ def make_batch(shapes=UNEVEN_SHAPES, vocab=256, seed=0, pad_to_multiple_of=8):
 def perturbed(nested, scale, seed=0):
     """The same nested per-group, per-response tensors, detached, plus seeded noise."""
     g = torch.Generator().manual_seed(seed)
-    return [[x.detach() + scale * torch.randn(x.shape, generator=g) for x in group] for group in nested]
+    return [[x.detach() + scale * torch.randn(x.shape, generator=g).to(x.device) for x in group] for group in nested]
 
 
 def rl_micro_batches(model, shapes_per_batch):

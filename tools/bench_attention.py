@@ -59,6 +59,8 @@ WORKLOADS = [
     Workload("d128-8x4096x4096", 8, 4096, 4096, 32, 8, 128),
     Workload("d256-16x8192x1024", 16, 8192, 1024, 16, 8, 256),
     Workload("d512-16x8192x1024", 16, 8192, 1024, 32, 16, 512),
+    # a Gemma 4 sliding layer's attention: the window cuts the prompt keys the responses see
+    Workload("d256w1024-16x8192x1024", 16, 8192, 1024, 32, 16, 256, window=1024),
 ]
 # smaller shapes with the same per-block behaviour, so a config sweep fits a lease
 TUNING_WORKLOADS = [
@@ -198,7 +200,7 @@ def tune(w: Workload, passes, configs=None):
     dout = torch.randn_like(q)
 
     def results():
-        o = dualkv_attn_func(*x, layout, backend="triton")
+        o = dualkv_attn_func(*x, layout, window_size=w.window, backend="triton")
         return o, (o, *torch.autograd.grad(o, x, dout, retain_graph=True))
 
     expected = results()[1]
@@ -213,7 +215,7 @@ def tune(w: Workload, passes, configs=None):
             try:
                 o, got = results()
                 if pass_name == "fwd":
-                    ms = bench(lambda: dualkv_attn_func(*x, layout, backend="triton"))
+                    ms = bench(lambda: dualkv_attn_func(*x, layout, window_size=w.window, backend="triton"))
                 else:
                     ms = bench(lambda: torch.autograd.grad(o, x, dout, retain_graph=True))
             except Exception as e:  # noqa: BLE001 - out of shared memory and the like: skip the config

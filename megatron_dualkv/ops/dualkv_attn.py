@@ -716,6 +716,14 @@ def _softcap_log2(softcap: Optional[float]) -> float:
     return 0.0 if softcap is None else float(softcap) * LOG2E
 
 
+def _dot_precision(dtype: torch.dtype) -> dict:
+    """Launch options for float32 inputs: Triton's dots default to TF32, but a float32 model expects
+    torch's matmul precision, so "highest" (torch's default) makes them full float32."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return dict(default_dot_input_precision="ieee")
+    return {}
+
+
 def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: Optional[float], native: bool):
     T, Hq, D = q.shape
     out = torch.empty_like(q)
@@ -730,7 +738,7 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
         v.stride(1), out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size),
         NUM_HEADS=Hq, GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, TMA_LOADS=tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_precision(q.dtype),
     )
     return out, lse
 
@@ -742,7 +750,8 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     BLOCK_D = triton.next_power_of_2(D)
     native = _native_backward(D, native)
     dq_cfg, kv_cfg = backward_plan(D, q.device, deterministic, native)
-    common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D)
+    common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D,
+                  **_dot_precision(q.dtype))
     scalars = (sm_scale, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size))
 
     delta = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
