@@ -4,7 +4,8 @@ Built from subclasses and a ``ModuleSpec``, never by editing Megatron (transform
 ``Gemma3DecoderLayer`` / ``Gemma4TextDecoderLayer`` are the reference):
 
 * ``GemmaRMSNorm``: RMSNorm computed in float32, weight ``1 + w`` (Gemma 3, zero-centred, which is
-  ``layernorm_zero_centered_gamma``) or ``w`` (Gemma 4), or no weight (Gemma 4's value norm).
+  ``layernorm_zero_centered_gamma``) or ``w`` (Gemma 4), or no weight (Gemma 4's value norm); on
+  GPU one Triton kernel per direction (``ops/rms_norm.py``).
 * ``PostNormRowParallelLinear``: a row-parallel linear followed by a norm of its reduced output.
   As ``linear_proj`` it is Gemma's post-attention norm, as ``linear_fc2`` its post-feedforward
   norm: the norms sit between the sublayer and its residual add, where ``TransformerLayer`` has
@@ -42,6 +43,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
+from ..ops.rms_norm import rms_norm_func, rms_norm_reference
 from .attention import DualKVAttention
 from .gpt_model import DualKVGPTModel
 
@@ -107,12 +109,8 @@ class GemmaRMSNorm(torch.nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            weight = self.weight.float()
-            y = y * (1.0 + weight if self.zero_centered else weight)
-        return y.type_as(x)
+        norm = rms_norm_func if x.is_cuda else rms_norm_reference  # one Triton kernel per direction on GPU
+        return norm(x, self.weight, self.eps, self.zero_centered)
 
 
 class PostNormRowParallelLinear(RowParallelLinear):
