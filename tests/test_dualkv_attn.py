@@ -66,10 +66,21 @@ def test_many_groups_with_p1_and_r1_and_split_key_tiles():
         assert_matches(got, want)
 
 
+def test_gpu_plans_by_dtype_and_window():
+    """The GPU block plans (chosen on the host, so checkable here): windows take their own dK/dV
+    blocks where measured (D=256), float32 takes the small blocks its full-float32 dots compile at."""
+    gpu = torch.device("cuda", 0)
+    assert kernels.backward_plan(256, gpu, True, windowed=True)[1] == kernels.GPU_CONFIGS["dkdv_window"][1][1]
+    assert kernels.backward_plan(256, gpu, True)[1] == kernel_config("dkdv", 256, gpu)
+    assert kernels.backward_plan(128, gpu, True, windowed=True)[1] == kernel_config("dkdv", 128, gpu)
+    assert kernels.backward_plan(128, gpu, False, dtype=torch.float32) == (None, kernels.SMALL_BLOCKS)
+    assert kernel_config("fwd", 512, gpu, torch.float32) == kernels.SMALL_BLOCKS
+
+
 @pytest.mark.parametrize("d", [32, 48])
 def test_tma_loads(d, monkeypatch):
     """The TMA path, emulated by the interpreter (48: not a power of two, so pointer loads remain)."""
-    monkeypatch.setattr(kernels, "INTERPRETER_CONFIG", KernelConfig(16, 16, 1, 1, tma=True))
+    monkeypatch.setattr(kernels, "SMALL_BLOCKS", KernelConfig(16, 16, 1, 1, tma=True))
     layout = DualKVLayout((1, 33, 2), ((1,), (1, 40, 2), (3, 3, 3, 3)), pad_len=7)
     for deterministic, window, softcap in ((False, None, None), (True, 9, 5.0)):
         got, want = run_both(layout, 4, 2, d, window=window, softcap=softcap, deterministic=deterministic)
@@ -79,7 +90,7 @@ def test_tma_loads(d, monkeypatch):
 def test_tma_loads_fall_back_on_unaligned_strides(monkeypatch):
     """A TMA box needs 16-byte aligned strides: a (T, H, 16) view of (T, H, 17) floats keeps pointer loads."""
     cfg = KernelConfig(16, 16, 1, 1, tma=True)
-    monkeypatch.setattr(kernels, "INTERPRETER_CONFIG", cfg)
+    monkeypatch.setattr(kernels, "SMALL_BLOCKS", cfg)
     layout = DualKVLayout((20,), ((7, 18),))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(layout.total_tokens, h, 17, generator=g)[:, :, :16] for h in (4, 2, 2))

@@ -166,7 +166,10 @@ def test_packed_equals_replicated(model):
         torch.testing.assert_close(p.loss, r.loss, rtol=1e-5, atol=1e-6)
     assert packed_grads.keys() == replicated_grads.keys() == {n for n, _ in model.named_parameters()}
     for name, grad in packed_grads.items():
-        torch.testing.assert_close(grad, replicated_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        # float32 sums in another order: on a GPU, a few small elements differ by ~5e-6 of the
+        # tensor's largest (PERF_NOTES.md, session 10), hence an absolute term scaled by it
+        reference = replicated_grads[name]
+        torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-6 + 2e-5 * reference.abs().max().item(), msg=name)
 
 
 def test_the_sliding_window_matters_for_these_rollouts(model):

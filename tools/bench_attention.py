@@ -176,7 +176,7 @@ def candidates(pass_name: str, d: int):
         blocks = ((64, 64), (64, 128), (32, 128)) if d <= 128 else ((32, 64), (64, 64), (32, 32))
         return [kernels.KernelConfig(bm, bn, warps, 2) for (bm, bn), warps in itertools.product(blocks, (4, 8))]
     big, small = ((128, 64), (32, 64)) if d <= 128 else ((64,), (16, 32))
-    if pass_name == "dkdv":
+    if pass_name in ("dkdv", "dkdv_window"):
         blocks = itertools.product(small, (64, 128) if d <= 128 else (32, 64))
     else:
         blocks = itertools.product(big, (32, 64, 128) if d <= 128 else (32, 64))
@@ -381,7 +381,7 @@ def main():
     parser.add_argument("--out", default="bench")
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                         help="instead of the table: each method's fwd+bwd back to back for SECONDS, with clock and power")
-    parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv,fused) whose configs to sweep instead")
+    parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv,dkdv_window,fused) whose configs to sweep instead")
     parser.add_argument("--configs", default="", help="with --tune: these configs instead of the built-in candidates, "
                         "'block_m,block_n,warps,stages[,tma]' separated by ';'")
     args = parser.parse_args()

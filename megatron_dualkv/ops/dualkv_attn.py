@@ -105,9 +105,18 @@ def _split_range(lo, hi, vis_lo, vis_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b):
+    """a @ b accumulated in float32. Float32 operands multiply in full float32: Triton's default for
+    them is TF32 (10-bit mantissas, ~1e-3 relative error), which a float32 model does not expect."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _scores(q, k, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """Scores in log2 units from q (M, D), k (N, D): (M, N), and tanh(x / c) for the backward."""
-    x = tl.dot(q, tl.trans(k))
+    x = _dot(q, tl.trans(k))
     if HAS_SOFTCAP:
         t = _tanh(x * (qk_scale / softcap))  # qk_scale = s * log2 e, softcap pre-scaled by log2 e
         return softcap * t, t
@@ -149,7 +158,7 @@ def _fwd_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, row0, hk, strid
         p = tl.math.exp2(z - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -267,11 +276,11 @@ def _dq_range(dq, q, do, lse, delta, k_base, v_base, k_desc, v_desc, row0, hk, s
         p = tl.math.exp2(z - lse[:, None])
         if MASKED:
             p = tl.where(_visible(qc, start + offs_n, hi, window, CAUSAL, HAS_WINDOW), p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = _dot(do, tl.trans(v))
         dx = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             dx = dx * (1.0 - t * t)
-        dq += tl.dot(dx.to(k.dtype), k)
+        dq += _dot(dx.to(k.dtype), k)
     return dq
 
 
@@ -382,14 +391,14 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, 
                 if HAS_WINDOW:
                     vis = vis & (pos_q[None, :] - pos_k[:, None] < window)
                 p = tl.where(vis, p, 0.0)
-            dv += tl.dot(p.to(do.dtype), do)
-            dp = tl.dot(v, tl.trans(do))
+            dv += _dot(p.to(do.dtype), do)
+            dp = _dot(v, tl.trans(do))
             dx = p * (dp - delta[None, :])
             if HAS_SOFTCAP:
                 dx = dx * (1.0 - t * t)
-            dk += tl.dot(dx.to(q.dtype), q)
+            dk += _dot(dx.to(q.dtype), q)
             if FUSE_DQ:
-                dq = tl.dot(tl.trans(dx.to(k.dtype)), k)
+                dq = _dot(tl.trans(dx.to(k.dtype)), k)
                 if TMA_DQ:
                     # rows past `hi` add zeros (p = 0 there); rows past T and columns past D are clipped
                     DQ_ACC.atomic_add([start, h, 0], tl.reshape(dq, [BLOCK_M, 1, BLOCK_D]))
@@ -519,15 +528,22 @@ GPU_CONFIGS = {
     "dkdv": ((64, KernelConfig(64, 64, 4, 2, tma=True)), (128, KernelConfig(64, 64, 4, 2, tma=True)),
              (256, KernelConfig(32, 64, 8, 3)), (512, KernelConfig(32, 32, 8, 2))),
     "dkdv_dq": ((256, None), (512, KernelConfig(32, 32, 8, 2))),
+    # the dK/dV pass with a sliding window, where None means as "dkdv": its key tiles see short query
+    # ranges (each response's first queries). At the Gemma 4 sliding shape, 64-query x 32-key blocks
+    # took the D=256 backward from 19.5 to 16.7 ms; without a window they lose (20.6 vs 16.8 ms).
+    "dkdv_window": ((128, None), (256, KernelConfig(64, 32, 4, 2, tma=True)), (512, None)),
 }
 # the interpreter runs blocks as numpy arrays: small blocks keep CPU tests fast and multi-block;
-# dQ fused there unless deterministic, so that tests cover both backward plans
-INTERPRETER_CONFIG = KernelConfig(16, 16, 1, 1)
+# dQ fused there unless deterministic, so that tests cover both backward plans. Float32 on a GPU
+# takes them too: its dots multiply in full float32 (see _dot), without tensor cores, and at the
+# 2-byte types' blocks would neither fit shared memory nor compile in reasonable time.
+SMALL_BLOCKS = KernelConfig(16, 16, 1, 1)
 
 
-def kernel_config(pass_name: str, head_dim: int, device: torch.device) -> Optional[KernelConfig]:
-    if device.type != "cuda":
-        return INTERPRETER_CONFIG
+def kernel_config(pass_name: str, head_dim: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16) -> Optional[KernelConfig]:
+    if device.type != "cuda" or dtype == torch.float32:
+        return SMALL_BLOCKS
     return next(cfg for max_d, cfg in GPU_CONFIGS[pass_name] if head_dim <= max_d)
 
 
@@ -541,14 +557,17 @@ def _native_backward(head_dim: int, native: bool) -> bool:
     return native and head_dim in NATIVE_BLOCK_N
 
 
-def backward_plan(head_dim: int, device: torch.device, deterministic: bool, native: bool = False):
+def backward_plan(head_dim: int, device: torch.device, deterministic: bool, native: bool = False,
+                  dtype: torch.dtype = torch.bfloat16, windowed: bool = False):
     """(config of the separate dQ pass, or None when the dK/dV pass accumulates dQ; dK/dV config)."""
     if _native_backward(head_dim, native):
         return None, KernelConfig(NATIVE_BLOCK_M, NATIVE_BLOCK_N[head_dim], num_warps=12, num_stages=2)
-    fused = None if deterministic else kernel_config("dkdv_dq", head_dim, device)
+    fused = None if deterministic else kernel_config("dkdv_dq", head_dim, device, dtype)
     if fused is not None:
         return None, fused
-    return kernel_config("dq", head_dim, device), kernel_config("dkdv", head_dim, device)
+    dkdv = windowed and kernel_config("dkdv_window", head_dim, device, dtype)
+    dkdv = dkdv or kernel_config("dkdv", head_dim, device, dtype)
+    return kernel_config("dq", head_dim, device, dtype), dkdv
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -695,12 +714,13 @@ class KernelTables:
 
 @torch.compiler.disable
 def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
-                  native: bool = False, window_size: Optional[int] = None) -> KernelTables:
+                  native: bool = False, window_size: Optional[int] = None,
+                  dtype: torch.dtype = torch.bfloat16) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync. The window
     trims the dK/dV work to the queries that see each key tile."""
     fwd_rows = (NATIVE_FWD_BLOCK_M[head_dim] if _native_forward(head_dim, native)
-                else kernel_config("fwd", head_dim, layout.device).block_m)
-    dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native)
+                else kernel_config("fwd", head_dim, layout.device, dtype).block_m)
+    dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native, dtype, window_size is not None)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device),
                                      window_size)
     fwd_tiles = query_tiles(layout, fwd_rows)
@@ -716,14 +736,6 @@ def _softcap_log2(softcap: Optional[float]) -> float:
     return 0.0 if softcap is None else float(softcap) * LOG2E
 
 
-def _dot_precision(dtype: torch.dtype) -> dict:
-    """Launch options for float32 inputs: Triton's dots default to TF32, but a float32 model expects
-    torch's matmul precision, so "highest" (torch's default) makes them full float32."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return dict(default_dot_input_precision="ieee")
-    return {}
-
-
 def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: Optional[float], native: bool):
     T, Hq, D = q.shape
     out = torch.empty_like(q)
@@ -731,14 +743,14 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
     if _native_forward(D, native):
         fwd_sm90(q, k, v, tiles, out, lse, sm_scale)
         return out, lse
-    cfg = kernel_config("fwd", D, q.device)
+    cfg = kernel_config("fwd", D, q.device, q.dtype)
     tma, k_boxes, v_boxes = _streamed(cfg, cfg.block_n, k, v)
     _fwd_kernel[(tiles.shape[0] * Hq,)](
         q, k, v, k_boxes, v_boxes, out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size),
         NUM_HEADS=Hq, GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, TMA_LOADS=tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -749,9 +761,8 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     Hkv = k.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
     native = _native_backward(D, native)
-    dq_cfg, kv_cfg = backward_plan(D, q.device, deterministic, native)
-    common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D,
-                  **_dot_precision(q.dtype))
+    dq_cfg, kv_cfg = backward_plan(D, q.device, deterministic, native, q.dtype, window_size is not None)
+    common = dict(HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, HEAD_DIM=D, BLOCK_D=BLOCK_D)
     scalars = (sm_scale, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size))
 
     delta = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
@@ -891,7 +902,7 @@ def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     layout = layout.to(q.device)
     native = native and native_supported(q, k, v, window_size, softcap, deterministic)
-    t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native, window_size)
+    t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native, window_size, q.dtype)
     op = dualkv_attn_fwd_op if torch.compiler.is_compiling() else _DualKVAttnEager.apply
     out, _ = op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions, sm_scale,
                 window_size, None if softcap is None else float(softcap), bool(deterministic), native)
