@@ -70,6 +70,7 @@ TUNING_WORKLOADS = [
 ]
 # "dualkv": the default backend (native sm_90 kernels where they apply, else Triton); "dualkv_triton": Triton only
 METHODS = ["dualkv", "dualkv_triton", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+TUNED_PASSES = ["fwd", "dq", "dkdv", "dkdv_window", "fused"]
 
 
 def bench(fn, grad_to_none=None) -> float:
@@ -381,7 +382,8 @@ def main():
     parser.add_argument("--out", default="bench")
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                         help="instead of the table: each method's fwd+bwd back to back for SECONDS, with clock and power")
-    parser.add_argument("--tune", default="", help="comma list of passes (fwd,dq,dkdv,dkdv_window,fused) whose configs to sweep instead")
+    parser.add_argument("--tune", default="", help="comma list of passes whose configs to sweep instead: "
+                        + ",".join(TUNED_PASSES) + " (dkdv_window: the dK/dV pass of workloads with a window)")
     parser.add_argument("--configs", default="", help="with --tune: these configs instead of the built-in candidates, "
                         "'block_m,block_n,warps,stages[,tma]' separated by ';'")
     args = parser.parse_args()
@@ -390,6 +392,9 @@ def main():
         run_sustained(workloads, args.methods.split(","), args.sustained, args.out)
         return
     if args.tune:
+        unknown = set(args.tune.split(",")) - set(TUNED_PASSES)
+        if unknown:
+            parser.error(f"--tune: unknown passes {sorted(unknown)}; choose from {TUNED_PASSES}")
         configs = [parse_config(c) for c in args.configs.split(";") if c]
         for w in workloads:
             tune(w, args.tune.split(","), configs)
