@@ -88,6 +88,23 @@ def run_tests(variants: dict) -> None:
         print(f"tests with {name}: {out.strip().splitlines()[-1] if out.strip() else proc.returncode}", flush=True)
 
 
+def report(rows: list, variants: dict, time_key: str, out: str) -> None:
+    """The median per workload and variant, printed, and every round as CSV in ``out``."""
+    print()
+    for workload in dict.fromkeys(row["workload"] for row in rows):
+        for name in variants:
+            times = [float(row[time_key]) for row in rows if row["workload"] == workload and row["variant"] == name]
+            print(f"{workload:22s} {name:20s} median {statistics.median(times):9.3f} ms  rounds "
+                  + " ".join(f"{t:.3f}" for t in times))
+    os.makedirs(out, exist_ok=True)
+    path = Path(out) / "ab_native.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, list(dict.fromkeys(key for row in rows for key in row)))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"CSV: {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", required=True, help="name=csrc_folder,... (two or more, or one with --test)")
@@ -115,23 +132,8 @@ def main():
                     extra = f"  {float(row['clock_mhz']):.0f} MHz {float(row['joules']):.2f} J" if args.sustained else \
                         f"  (fwd {float(row['fwd_ms']):.3f})"
                     print(f"round {r} {row['workload']:22s} {name:20s} {float(row[time_key]):9.3f} ms{extra}", flush=True)
-    if not rows:
-        if args.test:
-            run_tests(variants)
-        return
-    print()
-    for workload in dict.fromkeys(row["workload"] for row in rows):
-        for name in variants:
-            times = [float(row[time_key]) for row in rows if row["workload"] == workload and row["variant"] == name]
-            print(f"{workload:22s} {name:20s} median {statistics.median(times):9.3f} ms  rounds "
-                  + " ".join(f"{t:.3f}" for t in times))
-    os.makedirs(args.out, exist_ok=True)
-    path = Path(args.out) / "ab_native.csv"
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, list(dict.fromkeys(key for row in rows for key in row)))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"CSV: {path}")
+    if rows:
+        report(rows, variants, time_key, args.out)
     if args.test:
         run_tests(variants)
 

@@ -200,8 +200,11 @@ def tune(w: Workload, passes, configs=None):
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     dout = torch.randn_like(q)
 
+    def forward():
+        return dualkv_attn_func(*x, layout, window_size=w.window, backend="triton")
+
     def results():
-        o = dualkv_attn_func(*x, layout, window_size=w.window, backend="triton")
+        o = forward()
         return o, (o, *torch.autograd.grad(o, x, dout, retain_graph=True))
 
     expected = results()[1]
@@ -216,7 +219,7 @@ def tune(w: Workload, passes, configs=None):
             try:
                 o, got = results()
                 if pass_name == "fwd":
-                    ms = bench(lambda: dualkv_attn_func(*x, layout, window_size=w.window, backend="triton"))
+                    ms = bench(forward)
                 else:
                     ms = bench(lambda: torch.autograd.grad(o, x, dout, retain_graph=True))
             except Exception as e:  # noqa: BLE001 - out of shared memory and the like: skip the config
@@ -335,9 +338,9 @@ def run_sustained(workloads, methods, seconds: float, out: str):
             time.sleep(1.0)  # let the clock recover a little between methods, as between benchmark runs
     samples = sampler.stop()
     for row, window in zip(rows, windows):
-        inside = [(clock, power) for t, clock, power in samples if window and window[0] <= t <= window[1]]
         if "error" in row:
             continue
+        inside = [(clock, power) for t, clock, power in samples if window[0] <= t <= window[1]]
         if not inside:
             row["error"] = "no nvidia-smi samples in the timed window"
             continue

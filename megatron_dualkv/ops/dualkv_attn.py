@@ -565,9 +565,8 @@ def backward_plan(head_dim: int, device: torch.device, deterministic: bool, nati
     fused = None if deterministic else kernel_config("dkdv_dq", head_dim, device, dtype)
     if fused is not None:
         return None, fused
-    dkdv = windowed and kernel_config("dkdv_window", head_dim, device, dtype)
-    dkdv = dkdv or kernel_config("dkdv", head_dim, device, dtype)
-    return kernel_config("dq", head_dim, device, dtype), dkdv
+    dkdv = kernel_config("dkdv_window", head_dim, device, dtype) if windowed else None  # None: as "dkdv"
+    return kernel_config("dq", head_dim, device, dtype), dkdv or kernel_config("dkdv", head_dim, device, dtype)
 
 
 def _has_tma(device: torch.device) -> bool:
