@@ -41,8 +41,14 @@ def rl_micro_batches(model, shapes_per_batch):
     return out
 
 
+def device_of(model) -> torch.device:
+    """Where ``build_model`` put the model (the GPU when there is one): the tests' inputs go there."""
+    return next(model.parameters()).device
+
+
 def max_abs_diff(a, b):
-    return max((x - y).abs().max().item() for ga, gb in zip(a, b) for x, y in zip(ga, gb))
+    """Largest difference of two nested per-group, per-response tensor lists (compared on a's device)."""
+    return max((x - y.to(x.device)).abs().max().item() for ga, gb in zip(a, b) for x, y in zip(ga, gb))
 
 
 def config_of(card, **overrides):

@@ -16,7 +16,7 @@ from hf_checkpoints import CARDS, CONVERT_SIZES, SHARD_SIZE, convert, converted,
 from megatron_dualkv.models import hf_to_megatron, load_model, megatron_to_hf
 from megatron_dualkv.models import hf_folder
 from megatron_dualkv.rl import forward_logprobs
-from rollouts import make_batch, max_abs_diff
+from rollouts import device_of, make_batch, max_abs_diff
 from test_hf_state_dicts import SHAPES, hf_response_logprobs
 
 
@@ -46,11 +46,13 @@ def test_loaded_model_matches_hugging_face(checkpoint):
     model = load_model(checkpoint.megatron_dir).eval()
     ids = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(1))
     batch = make_batch(SHAPES)
-    want = hf_response_logprobs(checkpoint.hf, batch)
+    want = hf_response_logprobs(checkpoint.hf, batch)  # the Hugging Face model stays on the CPU
+    device = device_of(model)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, torch.arange(21).expand(3, 21), None), checkpoint.hf(ids).logits, rtol=1e-5, atol=1e-5)
-        assert max_abs_diff(forward_logprobs(model, batch, layout="replicated"), want) < 1e-5
-        assert max_abs_diff(forward_logprobs(model, batch), want) < 1e-5
+        logits = model(ids.to(device), torch.arange(21, device=device).expand(3, 21), None)
+        torch.testing.assert_close(logits.cpu(), checkpoint.hf(ids).logits, rtol=1e-5, atol=1e-5)
+        assert max_abs_diff(forward_logprobs(model, batch.to(device), layout="replicated"), want) < 1e-5
+        assert max_abs_diff(forward_logprobs(model, batch.to(device)), want) < 1e-5
 
 
 def test_round_trip_is_bitwise(checkpoint, tmp_path):

@@ -77,7 +77,8 @@ def test_packed_run_logs_sane_numbers(dapo_runs):
         assert 0 <= number(fields, "reward") <= 1 and 0 <= number(fields, "clip") <= 1
         assert number(fields, "tokens_per_s") > 0 and number(fields, "tflops") > 0 and number(fields, "mem") > 0
         assert number(fields, "rho") > 2  # 4 to 16 responses share a prompt of ~135 tokens
-        assert fields["mfu"] == "n/a" and fields["dp"] == "1" and int(fields["mb"]) >= 1
+        # MFU needs a GPU's measured matmul rate
+        assert (fields["mfu"] != "n/a") == torch.cuda.is_available() and fields["dp"] == "1" and int(fields["mb"]) >= 1
     # the policy learns the rewards: rewarded responses gain log-probability over the others
     assert number(steps[3], "margin") > number(steps[1], "margin")
 
@@ -101,6 +102,7 @@ def test_resume_continues_from_the_checkpoint(dapo_runs):
         assert number(resumed[3], key) == pytest.approx(number(straight[3], key), rel=1e-4, abs=1e-7), key
 
 
+@pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="two NCCL ranks need two GPUs")
 def test_resume_into_another_expert_layout_is_refused(tmp_path):
     """Megatron's optimizer state is a different chain once experts are split: a clear error, not a KeyError."""
     run_script("--model", "qwen3-moe-tiny", "--steps", 1, "--save", tmp_path)

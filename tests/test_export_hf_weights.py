@@ -17,7 +17,7 @@ from megatron_dualkv.models import ModelCard, checkpoint_card, export_hf_weights
 def assert_same_tensors(got, want):
     assert got.keys() == want.keys(), (sorted(set(got) - set(want)), sorted(set(want) - set(got)))
     for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name].to(tensor.device), tensor), name
 
 
 @pytest.mark.parametrize("name", CARDS)

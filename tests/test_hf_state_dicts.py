@@ -17,7 +17,7 @@ from transformers import (
 
 from megatron_dualkv.models import FAMILIES, build_model, load_card, load_megatron_state_dict
 from megatron_dualkv.rl import forward_logprobs
-from rollouts import make_batch, max_abs_diff
+from rollouts import device_of, make_batch, max_abs_diff
 
 HF_MODELS = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
@@ -49,8 +49,8 @@ def hf_model(card):
 @pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny"])
 def models(request):
     card = load_card(request.param)
-    hf = hf_model(card)
     ours = build_model(card).eval()
+    hf = hf_model(card).to(device_of(ours))
     load_megatron_state_dict(ours, FAMILIES[card.model_type].hf_to_megatron(card, ours.config, hf.state_dict()))
     return card, hf, ours
 
@@ -68,10 +68,10 @@ def test_round_trip_is_bitwise(models):
 
 def test_logits_equal_the_hugging_face_model(models):
     _, hf, ours = models
-    ids = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(1)).to(device_of(ours))
     with torch.no_grad():
         want = hf(ids).logits
-        got = ours(ids, torch.arange(21).expand(3, 21), None)
+        got = ours(ids, torch.arange(21, device=ids.device).expand(3, 21), None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -94,7 +94,7 @@ def hf_response_logprobs(hf, batch):
 def test_packed_logprobs_equal_the_hugging_face_model(models):
     """Each response after its own prompt copy through transformers == the packed micro-batch through ours."""
     _, hf, ours = models
-    batch = make_batch(SHAPES)
+    batch = make_batch(SHAPES).to(device_of(ours))
     with torch.no_grad():
         got = forward_logprobs(ours, batch)
     assert max_abs_diff(got, hf_response_logprobs(hf, batch)) < 1e-5

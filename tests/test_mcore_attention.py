@@ -92,8 +92,10 @@ def test_without_packed_params_it_is_megatrons_causal_attention(window):
     """The replicated baseline path: [s, b, h, d] through DotProductAttention, untouched."""
     cfg = config(window_size=window)
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(9, 3, 4, 16, generator=g)
-    k, v = torch.randn(2, 9, 3, 2, 16, generator=g)
+    # where Megatron's attention takes its score buffer (the current CUDA device when there is one)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(9, 3, 4, 16, generator=g).to(device)
+    k, v = torch.randn(2, 9, 3, 2, 16, generator=g).to(device)
     ours = attention(cfg)(q, k, v, None)
     theirs = DotProductAttention(cfg, 1, AttnMaskType.causal, "self",
                                  pg_collection=SimpleNamespace(tp=FakeGroup(1)))(q, k, v, None)

@@ -5,7 +5,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_dualkv.mcore import DualKVGPTModel, DualKVPackedSeqParams, ParallelSizes, dualkv_local_block_spec
 from megatron_dualkv.models import FAMILIES, build_model, build_transformer_config, load_card
-from rollouts import make_batch
+from rollouts import device_of, make_batch
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def model():
 def test_megatron_gpt_model_ignores_position_ids_for_rope(model):
     """The fact this model exists for: GPTModel's thd RoPE table has max_seqlen rows, so Megatron's
     thd RoPE restarts every cu_seqlens segment at position 0."""
-    batch = make_batch()
+    batch = make_batch().to(device_of(model))
     params = DualKVPackedSeqParams.from_layout(batch.layout)
     tokens, positions = batch.tokens[None], batch.position_ids[None]
     theirs = GPTModel._preprocess(model, tokens, positions, packed_seq_params=params)[1]
@@ -24,7 +24,7 @@ def test_megatron_gpt_model_ignores_position_ids_for_rope(model):
 
 
 def test_rope_rows_are_megatrons_table_at_the_logical_positions(model):
-    batch = make_batch()
+    batch = make_batch().to(device_of(model))
     params = DualKVPackedSeqParams.from_layout(batch.layout)
     emb = model._preprocess(batch.tokens[None], batch.position_ids[None], packed_seq_params=params)[1]
     table = model.rotary_pos_emb(model.max_sequence_length)
@@ -40,13 +40,13 @@ def test_rope_rows_are_megatrons_table_at_the_logical_positions(model):
 
 def test_packed_logits_equal_each_sequence_run_alone(model):
     """Every packed token's logits equal those of its own replicated sequence run as a plain batch."""
-    batch = make_batch()
+    batch = make_batch().to(device_of(model))
     params = DualKVPackedSeqParams.from_layout(batch.layout)
     with torch.no_grad():
         packed = model(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params)[0]
         rep = batch.replicated()
         for sequence, index in zip(rep.split(rep.tokens), rep.split(rep.index)):
-            alone = model(sequence[None], torch.arange(len(sequence))[None], None)[0]
+            alone = model(sequence[None], torch.arange(len(sequence), device=sequence.device)[None], None)[0]
             torch.testing.assert_close(packed[index], alone, rtol=1e-5, atol=1e-5)
 
 

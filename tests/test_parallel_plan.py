@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_dualkv.mcore import DualKVAttention, DualKVPackedSeqParams, ParallelSizes, plan_parallel
+from megatron_dualkv.mcore import DualKVAttention, DualKVPackedSeqParams, ParallelSizes, parallel, plan_parallel
 from megatron_dualkv.mcore.context_parallel import context_parallel_params, context_parallel_slice, kv_head_replication
 from megatron_dualkv.mcore.norms import FusedRMSNorm, SequenceParallelTorchNorm
 from megatron_dualkv.models import build_model
@@ -154,3 +154,12 @@ def test_attention_refuses_megatrons_context_parallelism():
 def test_build_model_refuses_a_split_the_model_does_not_allow(card, kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_model(card, **kwargs)
+
+
+def test_more_ranks_per_node_than_gpus_is_refused_before_nccl(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device reached"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=1 needs GPU 1, but this machine shows 1"):
+        parallel._init_process_group()

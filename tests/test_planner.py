@@ -177,8 +177,8 @@ def behaviour_inputs(model, batch, response_ids):
     with torch.no_grad():
         current = [r for group in forward_logprobs(model, batch) for r in group]
     lens = [len(r) for r in current]
-    old = [c + n for c, n in zip(current, noise(response_ids, lens, 0.3, 0.0))]
-    ref = [c + n for c, n in zip(current, noise(response_ids, lens, 0.1, 2.0))]
+    old = [c + n.to(c.device) for c, n in zip(current, noise(response_ids, lens, 0.3, 0.0))]
+    ref = [c + n.to(c.device) for c, n in zip(current, noise(response_ids, lens, 0.1, 2.0))]
     return nest(old, batch), nest(ref, batch)
 
 

@@ -232,7 +232,13 @@ def _init_process_group() -> None:
     free local port, without touching the environment that child processes would inherit."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local_rank >= gpus:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} needs GPU {local_rank}, but this machine shows {gpus}: start at most {gpus} "
+                "processes per node (torchrun --nproc-per-node), one per GPU"
+            )
+        torch.cuda.set_device(local_rank)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:
