@@ -363,7 +363,8 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, 
 
     Queries of the range belong to the key tile's group; without a window a query sees a key iff
     it comes later in the packed order (responses follow their prompt), so only the diagonal and
-    the range end need masks. With a window, positions decide and invisible blocks are skipped.
+    the range end need masks. With a window, positions decide in the masked parts, and invisible
+    blocks are skipped.
     With FUSE_DQ, the block's dq = dx^T k is added to an fp32 accumulator with atomics (5 matmuls
     per block pair instead of 4 here plus 3 in a separate dQ pass; not bitwise reproducible). With
     TMA_DQ, DQ_ACC is a (T, Hq, D) tensor descriptor and each block is one bulk reduction
@@ -374,7 +375,7 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, 
         i = start + offs_m
         rows = i.to(tl.int64)
         run = True
-        if HAS_WINDOW:
+        if HAS_WINDOW and MASKED:
             pos_q = tl.load(POS + rows, mask=i < hi, other=2**30).to(tl.int32)
             run = tl.min(pos_q, 0) - max_pos_k < window
         if run:
@@ -448,12 +449,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, P
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
+    # every query at or after the tile's last key sees the whole tile, up to where the window
+    # loses its first key: an item's positions are consecutive under a window (key_items), so that
+    # is the query whose position is the first key's + window
+    sees_all_hi = q_hi
     if HAS_WINDOW:
-        m1 = q_lo
-        m2 = q_lo
-    else:
-        # every query at or after the tile's last key sees the whole tile
-        m1, m2 = _split_range(q_lo, q_hi, k_end - 1, q_hi, BLOCK_M)
+        sees_all_hi = q_lo + tl.load(POS + k_start) + window - tl.load(POS + q_lo)
+    m1, m2 = _split_range(q_lo, q_hi, k_end - 1, sees_all_hi, BLOCK_M)
     stride_dqt = NUM_KV_HEADS * GROUP * HEAD_DIM  # DQ_ACC is a contiguous (T, Hq, HEAD_DIM) fp32 buffer
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -631,7 +633,8 @@ def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[i
     follow their prompt); a response key by the rest of its response. A window cuts each at the
     position ``window`` past the tile's last key: the prompt's queries up to it, and each response's
     first queries while their positions (from the prompt's length on) stay below it. Without a
-    window that is one range per tile, to the end of the group or of the response.
+    window that is one range per tile, to the end of the group or of the response; with one, each
+    range's positions are consecutive.
     """
     responses = {}  # prompt start -> [(start, length)] of its responses
     for start, length, prefix_start, prefix_len in layout.segments:
@@ -646,10 +649,13 @@ def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[i
             if not prefix_len:  # a prompt's tile: the first queries of each response too
                 ranges += [(r0, r0 + min(r_len, max(reach - length, 0))) for r0, r_len in responses.get(start, [])]
             merged = []
-            for lo, hi in ranges:
+            for index, (lo, hi) in enumerate(ranges):
                 if hi <= lo:
                     continue
-                if merged and merged[-1][1] == lo:
+                # with a window, a range must be one run of positions (the kernel finds the queries
+                # that see the whole tile from its first position): positions run on from a prompt
+                # into its first response, not from one response into the next
+                if merged and merged[-1][1] == lo and (window is None or index == 1):
                     merged[-1] = (merged[-1][0], hi)
                 else:
                     merged.append((lo, hi))
