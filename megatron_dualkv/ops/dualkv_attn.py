@@ -454,7 +454,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, P
     # is the query whose position is the first key's + window
     sees_all_hi = q_hi
     if HAS_WINDOW:
-        sees_all_hi = q_lo + tl.load(POS + k_start) + window - tl.load(POS + q_lo)
+        # (positions are int64; a branch must give the same type as q_hi)
+        sees_all_hi = q_lo + (tl.load(POS + k_start) - tl.load(POS + q_lo)).to(tl.int32) + window
     m1, m2 = _split_range(q_lo, q_hi, k_end - 1, sees_all_hi, BLOCK_M)
     stride_dqt = NUM_KV_HEADS * GROUP * HEAD_DIM  # DQ_ACC is a contiguous (T, Hq, HEAD_DIM) fp32 buffer
     for g in range(GROUP):
