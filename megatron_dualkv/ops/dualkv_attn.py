@@ -747,7 +747,7 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
     if _native_forward(D, native):
-        fwd_sm90(q, k, v, tiles, out, lse, sm_scale)
+        fwd_sm90(q, k, v, tiles, out, lse, sm_scale, window_size)
         return out, lse
     cfg = kernel_config("fwd", D, q.device, q.dtype)
     tma, k_boxes, v_boxes = _streamed(cfg, cfg.block_n, k, v)
@@ -792,7 +792,8 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
     if native:
-        dkdv_dq_sm90(q, k, v, do, lse, delta, kv_items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale)
+        dkdv_dq_sm90(q, k, v, do, lse, delta, kv_items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale,
+                     window_size, positions)
     else:
         tma_dq = atomic_dq and _has_tma(q.device) and BLOCK_D <= TMA_MAX_BOX
         dq_target = TensorDescriptor.from_tensor(dq_acc, [kv_cfg.block_m, 1, BLOCK_D]) if tma_dq else dq_acc
