@@ -102,7 +102,7 @@ __device__ __forceinline__ void add_peer_partial(float (&x)[32], int which, Smem
 
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
 // (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e)
-template <typename T, int SPLIT>
+template <typename T, int SPLIT, bool WINDOW>
 __global__ void __launch_bounds__(THREADS, 1)
     dkdv_dq_cols_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                         const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int g = lane / 4, c = lane % 4, t = threadIdx.x % 128;
     const bool dq_issuer = t == 0;
     const int key_rows = k_end - k_start;
+    const int shift = WINDOW ? window_shift(p, q_lo, k_start) : 0;
     uint8_t* ds = s.ds[wg];
 
     float dk[64], dv[64];
@@ -223,9 +224,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       fence_regs(sc);
       if constexpr (SPLIT > 1) add_peer_partial(sc, 0, s, rank, wg, step, steps);
 
-      // P^T: keys are rows, queries columns; a key past the tile, a query past the range, or a
-      // query before the key (packed order) is invisible
-      const bool masked = q0 < k_end - 1 || q0 + BLOCK_M > q_hi || key_rows < BLOCK_N;
+      // P^T: keys are rows, queries columns; a key past the tile, a query past the range, a query
+      // before the key (packed order) or, with a window, too far after it is invisible
+      const bool masked = q0 < k_end - 1 || q0 + BLOCK_M > q_hi || key_rows < BLOCK_N ||
+                          (WINDOW && q0 + BLOCK_M - 1 - k_start >= shift);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float2 lse = *reinterpret_cast<const float2*>(&s.lse[st][8 * i + 2 * c]);  // columns 2c, 2c + 1
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           float x = exp2_approx(sc[4 * i + e] * p.scale_log2 - (e & 1 ? lse.y : lse.x));
           if (masked) {
             const int key = k_start + row, query = q0 + col;
-            if (row >= key_rows || query >= q_hi || query < key) x = 0.f;
+            if (row >= key_rows || query >= q_hi || query < key || (WINDOW && query - key >= shift)) x = 0.f;
           }
           sc[4 * i + e] = x;
         }
@@ -319,9 +321,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 // ------------------------------------------------------------------------------------ host
-template <typename T, int SPLIT>
+template <typename T, int SPLIT, bool WINDOW>
 void launch(const DkdvArgs& a, cudaStream_t stream) {
-  const auto kernel = dkdv_dq_cols_kernel<T, SPLIT>;
+  static_assert(!WINDOW || SPLIT == 1, "windows: head dim 256 only (Gemma's sliding layers)");
+  const auto kernel = dkdv_dq_cols_kernel<T, SPLIT, WINDOW>;
   constexpr int SMEM_BYTES = shared_bytes<SharedStorage<SPLIT>>();
   static_assert(SMEM_BYTES <= 227 * 1024, "over the shared memory of an sm_90 CTA");
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
@@ -345,10 +348,13 @@ void dkdv_dq_cols(const DkdvArgs& args, void* stream) {
   if (args.n_items == 0) return;
   launch_for_dtype(args.fp16, [&](auto t) {
     using T = decltype(t);
-    if (args.head_dim == 256)
-      launch<T, 1>(args, static_cast<cudaStream_t>(stream));
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (args.head_dim == 512)
+      launch<T, 2, false>(args, s);
+    else if (args.window > 0)
+      launch<T, 1, true>(args, s);
     else
-      launch<T, 2>(args, static_cast<cudaStream_t>(stream));
+      launch<T, 1, false>(args, s);
   });
 }
 

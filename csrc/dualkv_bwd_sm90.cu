@@ -53,7 +53,7 @@ struct alignas(1024) SharedStorage {
 // ------------------------------------------------------------------------------------ kernel
 // Accumulator element e (0..3) of 8-column group i held by a thread: row offset, column.
 //   rows 16 * warp + lane / 4 (+ 8 for e >= 2), columns 8 i + 2 (lane % 4) (+ 1 for odd e)
-template <typename T>
+template <typename T, bool WINDOW>
 __global__ void __launch_bounds__(THREADS, 1)
     dkdv_dq_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                    const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int g = lane / 4, c = lane % 4;
   const bool dq_issuer = threadIdx.x % 128 == 0;
   const int key_rows = k_end - k_start;
+  const int shift = WINDOW ? window_shift(p, q_lo, k_start) : 0;
 
   float dk[64], dv[64];
 #pragma unroll
@@ -170,9 +171,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     wgmma_wait<1>();  // S^T
     fence_regs(sc);
 
-    // P^T: keys are rows, queries columns; a key past the tile, a query past the range, or a
-    // query before the key (packed order) is invisible
-    const bool masked = q0 < k_end - 1 || q0 + BLOCK_M > q_hi || key_rows < BLOCK_N;
+    // P^T: keys are rows, queries columns; a key past the tile, a query past the range, a query
+    // before the key (packed order) or, with a window, too far after it is invisible
+    const bool masked = q0 < k_end - 1 || q0 + BLOCK_M > q_hi || key_rows < BLOCK_N ||
+                        (WINDOW && q0 + BLOCK_M - 1 - k_start >= shift);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -181,7 +183,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         float x = exp2_approx(sc[4 * i + e] * p.scale_log2 - s.lse[st][col]);
         if (masked) {
           const int key = k_start + row, query = q0 + col;
-          if (row >= key_rows || query >= q_hi || query < key) x = 0.f;
+          if (row >= key_rows || query >= q_hi || query < key || (WINDOW && query - key >= shift)) x = 0.f;
         }
         sc[4 * i + e] = x;
       }
@@ -250,9 +252,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 }
 
 // ------------------------------------------------------------------------------------ host
-template <typename T>
+template <typename T, bool WINDOW>
 void launch(const DkdvArgs& a, cudaStream_t stream) {
-  const auto kernel = dkdv_dq_kernel<T>;
+  const auto kernel = dkdv_dq_kernel<T, WINDOW>;
   constexpr int SMEM_BYTES = shared_bytes<SharedStorage>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const BwdMaps m = bwd_maps<HEAD_DIM, BLOCK_N>(a);
@@ -263,7 +265,13 @@ void launch(const DkdvArgs& a, cudaStream_t stream) {
 
 void dkdv_dq(const DkdvArgs& args, void* stream) {
   if (args.n_items == 0) return;
-  launch_for_dtype(args.fp16, [&](auto t) { launch<decltype(t)>(args, static_cast<cudaStream_t>(stream)); });
+  const auto s = static_cast<cudaStream_t>(stream);
+  launch_for_dtype(args.fp16, [&](auto t) {
+    if (args.window > 0)
+      launch<decltype(t), true>(args, s);
+    else
+      launch<decltype(t), false>(args, s);
+  });
 }
 
 }  // namespace dualkv_sm90

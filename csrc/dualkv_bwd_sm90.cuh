@@ -28,6 +28,8 @@ struct BwdParams {
   float* partial_dv;
   int T, num_heads, num_kv_heads;
   float sm_scale, scale_log2;
+  int window;
+  const int64_t* positions;
 };
 
 // A CTA's work: one row of the key_items table (dualkv_attn.py) and one key/value head. `cta` and
@@ -51,6 +53,14 @@ __device__ __forceinline__ BwdItem bwd_item(const BwdParams& p, unsigned cta, un
   w.q_blocks = (w.q_hi - w.q_lo + BWD_BLOCK_M - 1) / BWD_BLOCK_M;
   w.steps = w.group * w.q_blocks;
   return w;
+}
+
+// With a window, a pair (query, key) of an item is visible iff query - key < window_shift (packed
+// indices; the causal query >= key as without one). An item's query range and its key tile are
+// each a run of consecutive positions (key_items keeps windowed ranges so), so pos_q - pos_k <
+// window moves to packed indices with one offset per run.
+__device__ __forceinline__ int window_shift(const BwdParams& p, int q_lo, int k_start) {
+  return p.window - int(p.positions[q_lo] - q_lo) + int(p.positions[k_start] - k_start);
 }
 
 // lse and delta of a step's 64 queries into shared memory, by the 32 lanes of the producer warp
@@ -143,7 +153,7 @@ BwdMaps bwd_maps(const DkdvArgs& a) {
 inline BwdParams bwd_params(const DkdvArgs& a) {
   return {a.lse, a.delta, a.items, a.dk, a.dv, a.dk_stride_t, a.dk_stride_h, a.dv_stride_t, a.dv_stride_h,
           a.partial_dk, a.partial_dv, a.T, a.num_heads, a.num_kv_heads, float(a.sm_scale),
-          float(a.sm_scale * LOG2E)};
+          float(a.sm_scale * LOG2E), a.window, a.positions};
 }
 
 }  // namespace dualkv_sm90

@@ -85,11 +85,12 @@ struct KernelParams {
   float* lse;
   int T, num_heads, group;
   float scale_log2;
+  int window;
 };
 
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
 // (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e).
-template <typename T, int D>
+template <typename T, int D, bool WINDOW>
 __global__ void __launch_bounds__(THREADS, 1)
     fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                const __grid_constant__ CUtensorMap tm_v, const KernelParams p) {
@@ -105,8 +106,19 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int h = blockIdx.x / n_tiles;
   const int32_t* tile = p.tiles + (blockIdx.x % n_tiles) * 5;
   const int q_start = tile[0], q_end = tile[1], seg_start = tile[2], prefix_start = tile[3], prefix_len = tile[4];
-  const int prefix_blocks = (prefix_len + BLOCK_N - 1) / BLOCK_N;
-  const int blocks = prefix_blocks + (q_end - seg_start + BLOCK_N - 1) / BLOCK_N;
+  // Positions: the prompt's keys sit at 0 .. prefix_len - 1, the segment's rows and keys run on
+  // from prefix_len (a prompt is its own segment, prefix_len 0). A window leaves visible only the
+  // keys from the tile's first row's position - window + 1 on: the first visible prompt and
+  // segment blocks are prefix_first and seg_first, and block b counts from them.
+  int prefix_first = 0, seg_first = 0;
+  const int prefix_all = (prefix_len + BLOCK_N - 1) / BLOCK_N;
+  if constexpr (WINDOW) {
+    const int first_pos = prefix_len + (q_start - seg_start) - p.window + 1;
+    prefix_first = first_pos >= prefix_len ? prefix_all : max(first_pos, 0) / BLOCK_N;
+    seg_first = max(first_pos - prefix_len, 0) / BLOCK_N;
+  }
+  const int prefix_blocks = prefix_all - prefix_first;
+  const int blocks = prefix_blocks + (q_end - seg_start + BLOCK_N - 1) / BLOCK_N - seg_first;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
@@ -129,7 +141,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.q[pnl], &tm_q, &s.q_full, 64 * pnl, h, q_start);
     for (int b = 0; b < blocks; ++b) {
       const int st = b % STAGES, phase = ((b / STAGES) & 1) ^ 1;
-      const int key0 = b < prefix_blocks ? prefix_start + b * BLOCK_N : seg_start + (b - prefix_blocks) * BLOCK_N;
+      const int key0 = b < prefix_blocks ? prefix_start + (prefix_first + b) * BLOCK_N
+                                         : seg_start + (seg_first + b - prefix_blocks) * BLOCK_N;
       mbar_wait(&s.k_empty[st], phase);
       mbar_arrive_expect_tx(&s.k_full[st], BLOCK_N * D * sizeof(T));
       for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.k[st][pnl], &tm_k, &s.k_full[st], 64 * pnl, hk, key0);
@@ -161,16 +174,20 @@ __global__ void __launch_bounds__(THREADS, 1)
   // alpha, the factor of O; O rescaled; P packed into pa
   float alpha[2];
   const auto softmax_p = [&](int b) {
-    // the prompt: keys past its end are invisible; the segment: keys after the query are
+    // the prompt: keys past its end are invisible; the segment: keys after the query are; with a
+    // window, keys whose position is window or more below the query's
     const bool in_prefix = b < prefix_blocks;
-    const int key_index0 = (in_prefix ? b : b - prefix_blocks) * BLOCK_N;
-    if (in_prefix ? key_index0 + BLOCK_N > prefix_len : key_index0 + BLOCK_N - 1 > wg_first) {
+    const int key_index0 = (in_prefix ? prefix_first + b : seg_first + b - prefix_blocks) * BLOCK_N;
+    const int key_pos0 = in_prefix ? key_index0 : prefix_len + key_index0;  // (window only)
+    if ((in_prefix ? key_index0 + BLOCK_N > prefix_len : key_index0 + BLOCK_N - 1 > wg_first) ||
+        (WINDOW && prefix_len + wg_first + 63 - key_pos0 >= p.window)) {
 #pragma unroll
       for (int i = 0; i < BLOCK_N / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = key_index0 + 8 * i + 2 * c + (e & 1);
-          if (in_prefix ? key >= prefix_len : key > row_index + 8 * (e >> 1)) sc[4 * i + e] = -INFINITY;
+          const int key = key_index0 + 8 * i + 2 * c + (e & 1), row = row_index + 8 * (e >> 1);
+          const bool beyond = WINDOW && prefix_len + row - (key_pos0 + 8 * i + 2 * c + (e & 1)) >= p.window;
+          if ((in_prefix ? key >= prefix_len : key > row) || beyond) sc[4 * i + e] = -INFINITY;
         }
       }
     }
@@ -332,10 +349,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool WINDOW>
 void launch(const FwdArgs& a, cudaStream_t stream) {
   using Tile = Tiles<D>;
-  const auto kernel = fwd_kernel<T, D>;
+  static_assert(!WINDOW || !Tile::SPLIT_COLUMNS, "windows: head dims 128 and 256");
+  const auto kernel = fwd_kernel<T, D, WINDOW>;
   constexpr int SMEM_BYTES = shared_bytes<SharedStorage<D>>();
   static_assert(SMEM_BYTES <= 227 * 1024, "over the shared memory of an sm_90 CTA");
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
@@ -345,7 +363,7 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.k_stride_t, a.qkv.k_stride_h, Tile::BLOCK_N);
   const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.v_stride_t, a.qkv.v_stride_h, Tile::BLOCK_N);
   const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
-                       a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E)};
+                       a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E), a.window};
   kernel<<<a.n_tiles * a.num_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, p);
 }
 
@@ -355,12 +373,14 @@ void fwd(const FwdArgs& args, void* stream) {
   if (args.n_tiles == 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
   launch_for_dtype(args.fp16, [&](auto t) {
+    using T = decltype(t);
+    const bool window = args.window > 0;
     if (args.head_dim == 128)
-      launch<decltype(t), 128>(args, s);
+      window ? launch<T, 128, true>(args, s) : launch<T, 128, false>(args, s);
     else if (args.head_dim == 256)
-      launch<decltype(t), 256>(args, s);
+      window ? launch<T, 256, true>(args, s) : launch<T, 256, false>(args, s);
     else
-      launch<decltype(t), 512>(args, s);
+      launch<T, 512, false>(args, s);
   });
 }
 

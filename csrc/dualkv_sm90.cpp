@@ -48,11 +48,22 @@ int64_t checked_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return D;
 }
 
+// window: 0 for none, else the left window in logical positions, which the kernels take at head
+// dims 128 and 256
+void check_window(int64_t window, int64_t D) {
+  TORCH_CHECK(window >= 0 && window < (int64_t(1) << 30), "window must be 0 (none) or a positive int32, got ", window);
+  TORCH_CHECK(window == 0 || D == 128 || D == 256, "the native kernels take a window at head dims 128 and 256, got ", D);
+}
+
 void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout,
              const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& items, const at::Tensor& dk,
              const at::Tensor& dv, const at::Tensor& partial_dk, const at::Tensor& partial_dv, const at::Tensor& dq_acc,
-             double sm_scale) {
+             double sm_scale, int64_t window, const at::Tensor& positions) {
   const int64_t D = checked_head_dim(q, k, v, "dK/dV pass");
+  check_window(window, D);
+  TORCH_CHECK(positions.is_cuda() && positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.size(0) == q.size(0) && positions.is_contiguous(),
+              "positions must be a contiguous CUDA (T,) int64 tensor");
   check_heads(dout, "dout", D);
   check_heads(dk, "dk", D);
   check_heads(dv, "dv", D);
@@ -84,12 +95,15 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
   a.sm_scale = sm_scale;
   a.fp16 = q.scalar_type() == at::kHalf;
+  a.window = int(window);
+  a.positions = positions.data_ptr<int64_t>();
   (D == 128 ? dualkv_sm90::dkdv_dq : dualkv_sm90::dkdv_dq_cols)(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
-         const at::Tensor& lse, double sm_scale) {
+         const at::Tensor& lse, double sm_scale, int64_t window) {
   const int64_t D = checked_head_dim(q, k, v, "forward");
+  check_window(window, D);
   check_heads(out, "out", D);
   check_fp32(lse, "lse");
   check_dtype(q, {&k, &v, &out}, "q, k, v, out");
@@ -109,12 +123,13 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   a.T = T, a.num_heads = Hq, a.num_kv_heads = Hkv;
   a.sm_scale = sm_scale;
   a.fp16 = q.scalar_type() == at::kHalf;
+  a.window = int(window);
   dualkv_sm90::fwd(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fwd", &fwd, "DualKV forward, head dim 128, 256 or 512, sm_90a");
-  m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128, 256 or 512, sm_90a");
+  m.def("fwd", &fwd, "DualKV forward, head dim 128, 256 or 512 (a window: 128, 256), sm_90a");
+  m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128, 256 or 512 (a window: 128, 256), sm_90a");
 }

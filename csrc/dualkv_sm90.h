@@ -25,6 +25,8 @@ struct FwdArgs {
   int T, num_heads, num_kv_heads;
   double sm_scale;  // softmax scale
   bool fp16;        // else bf16
+  int window;       // left window in logical positions (a query sees keys with pos_q - pos_k < window); 0: none.
+                    // Head dims 128 and 256.
 };
 
 void fwd(const FwdArgs& args, void* stream);
@@ -49,6 +51,9 @@ struct DkdvArgs {
   int T, num_heads, num_kv_heads;
   double sm_scale;     // softmax scale
   bool fp16;           // else bf16
+  int window;          // as FwdArgs::window (head dims 128 and 256); then the items come from
+                       // key_items with that window, whose query ranges are runs of consecutive positions
+  const int64_t* positions;  // (T,) logical positions, read where window > 0
 };
 
 void dkdv_dq(const DkdvArgs& args, void* stream);       // D = 128

@@ -120,6 +120,10 @@ def assert_key_items_cover_the_mask(layout, window, block_n, block_m, sm_count):
     assert torch.all(count[mask] == 1)
     for k0, k1, q0, q1, _ in items.tolist():
         assert mask[q0:q1, k0:k1].any(1).all(), f"item {(k0, k1, q0, q1)} holds queries that see none of its keys"
+    if window is not None:  # the kernel finds the queries that see a whole tile from an item's first position
+        pos = layout.position_ids.cpu()
+        for k0, k1, q0, q1, _ in items.tolist():
+            assert torch.equal(pos[q0:q1] - pos[q0], torch.arange(q1 - q0, dtype=pos.dtype)), f"item {(k0, k1, q0, q1)}"
     if window is None:  # outside the mask, items only hold the causal triangle of their diagonal blocks
         assert torch.all(count[~mask & (torch.arange(layout.total_tokens)[:, None] > torch.arange(layout.total_tokens))] == 0)
 

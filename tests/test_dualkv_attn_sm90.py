@@ -26,7 +26,7 @@ def test_not_chosen_off_hopper_or_outside_its_cases():
         cuda = tensors(device="cuda")
         assert not native_supported(*tensors(64, device="cuda"), None, None, False)
         assert not native_supported(*tensors(dtype=torch.float32, device="cuda"), None, None, False)
-        assert not native_supported(*cuda, 100, None, False)
+        assert not native_supported(*tensors(512, device="cuda"), 100, None, False)
         assert not native_supported(*cuda, None, 30.0, False)
         assert not native_supported(*cuda, None, None, True)
 
@@ -47,6 +47,7 @@ def test_tables_follow_the_native_kernels_of_each_head_dim(d, fwd_rows, key_tile
 @pytest.mark.parametrize("d", [128, 256, 512])
 def test_chosen_on_hopper(d):
     assert native_supported(*tensors(d, device="cuda"), None, None, False)
+    assert native_supported(*tensors(d, device="cuda"), 100, None, False) == (d != 512)
 
 
 @hopper
@@ -60,16 +61,28 @@ def test_edge_layouts(dtype, heads, d):
 
 
 @hopper
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("window", [1, 64, 200, 1000])
+def test_windows(d, window):
+    """Windows shorter than a block, a block, between blocks, and longer than the responses: prompt
+    blocks skipped by the forward, responses that see only the prompt's end, short responses whose
+    window reaches past them (the tables' runs of positions)."""
+    layout = DualKVLayout((1, 3000, 130), ((1, 1, 5), (500,) * 6, (127, 1, 129, 64)), pad_len=7).to("cuda")
+    check_flash_style(layout, 8, 2, d, torch.bfloat16, backend="auto", window_size=window)
+
+
+@hopper
 @given(
     rollout_groups(max_groups=5, max_prompt=900, max_responses=8, max_response=300),
     st.sampled_from([(8, 2), (4, 4), (6, 1), (16, 2)]),
     st.sampled_from([torch.bfloat16, torch.float16]),
     st.sampled_from([128, 256, 512]),
+    st.one_of(st.none(), st.integers(1, 1200)),
 )
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-def test_fuzzed_layouts(groups, heads, dtype, d):
+def test_fuzzed_layouts(groups, heads, dtype, d, window):
     layout = pack_groups(groups, pad_to_multiple_of=8).layout.to("cuda")
-    check_flash_style(layout, *heads, d, dtype, backend="auto")
+    check_flash_style(layout, *heads, d, dtype, backend="auto", window_size=None if d == 512 else window)
 
 
 def test_other_sources_build_under_their_own_name(monkeypatch, tmp_path):

@@ -363,7 +363,8 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, 
 
     Queries of the range belong to the key tile's group; without a window a query sees a key iff
     it comes later in the packed order (responses follow their prompt), so only the diagonal and
-    the range end need masks. With a window, positions decide and invisible blocks are skipped.
+    the range end need masks. With a window, positions decide in the masked parts, and invisible
+    blocks are skipped.
     With FUSE_DQ, the block's dq = dx^T k is added to an fp32 accumulator with atomics (5 matmuls
     per block pair instead of 4 here plus 3 in a separate dQ pass; not bitwise reproducible). With
     TMA_DQ, DQ_ACC is a (T, Hq, D) tensor descriptor and each block is one bulk reduction
@@ -374,7 +375,7 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, 
         i = start + offs_m
         rows = i.to(tl.int64)
         run = True
-        if HAS_WINDOW:
+        if HAS_WINDOW and MASKED:
             pos_q = tl.load(POS + rows, mask=i < hi, other=2**30).to(tl.int32)
             run = tl.min(pos_q, 0) - max_pos_k < window
         if run:
@@ -448,12 +449,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, P
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
+    # every query at or after the tile's last key sees the whole tile, up to where the window
+    # loses its first key: an item's positions are consecutive under a window (key_items), so that
+    # is the query whose position is the first key's + window
+    sees_all_hi = q_hi
     if HAS_WINDOW:
-        m1 = q_lo
-        m2 = q_lo
-    else:
-        # every query at or after the tile's last key sees the whole tile
-        m1, m2 = _split_range(q_lo, q_hi, k_end - 1, q_hi, BLOCK_M)
+        # (positions are int64; a branch must give the same type as q_hi)
+        sees_all_hi = q_lo + (tl.load(POS + k_start) - tl.load(POS + q_lo)).to(tl.int32) + window
+    m1, m2 = _split_range(q_lo, q_hi, k_end - 1, sees_all_hi, BLOCK_M)
     stride_dqt = NUM_KV_HEADS * GROUP * HEAD_DIM  # DQ_ACC is a contiguous (T, Hq, HEAD_DIM) fp32 buffer
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -631,7 +634,8 @@ def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[i
     follow their prompt); a response key by the rest of its response. A window cuts each at the
     position ``window`` past the tile's last key: the prompt's queries up to it, and each response's
     first queries while their positions (from the prompt's length on) stay below it. Without a
-    window that is one range per tile, to the end of the group or of the response.
+    window that is one range per tile, to the end of the group or of the response; with one, each
+    range's positions are consecutive.
     """
     responses = {}  # prompt start -> [(start, length)] of its responses
     for start, length, prefix_start, prefix_len in layout.segments:
@@ -646,10 +650,13 @@ def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[i
             if not prefix_len:  # a prompt's tile: the first queries of each response too
                 ranges += [(r0, r0 + min(r_len, max(reach - length, 0))) for r0, r_len in responses.get(start, [])]
             merged = []
-            for lo, hi in ranges:
+            for index, (lo, hi) in enumerate(ranges):
                 if hi <= lo:
                     continue
-                if merged and merged[-1][1] == lo:
+                # with a window, a range must be one run of positions (the kernel finds the queries
+                # that see the whole tile from its first position): positions run on from a prompt
+                # into its first response, not from one response into the next
+                if merged and merged[-1][1] == lo and (window is None or index == 1):
                     merged[-1] = (merged[-1][0], hi)
                 else:
                     merged.append((lo, hi))
@@ -740,7 +747,7 @@ def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: O
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
     if _native_forward(D, native):
-        fwd_sm90(q, k, v, tiles, out, lse, sm_scale)
+        fwd_sm90(q, k, v, tiles, out, lse, sm_scale, window_size)
         return out, lse
     cfg = kernel_config("fwd", D, q.device, q.dtype)
     tma, k_boxes, v_boxes = _streamed(cfg, cfg.block_n, k, v)
@@ -785,7 +792,8 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
     partial_dk = torch.empty(max(num_slots, 1) * kv_cfg.block_n, Hkv, BLOCK_D, device=q.device, dtype=torch.float32)
     partial_dv = torch.empty_like(partial_dk)
     if native:
-        dkdv_dq_sm90(q, k, v, do, lse, delta, kv_items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale)
+        dkdv_dq_sm90(q, k, v, do, lse, delta, kv_items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale,
+                     window_size, positions)
     else:
         tma_dq = atomic_dq and _has_tma(q.device) and BLOCK_D <= TMA_MAX_BOX
         dq_target = TensorDescriptor.from_tensor(dq_acc, [kv_cfg.block_m, 1, BLOCK_D]) if tma_dq else dq_acc

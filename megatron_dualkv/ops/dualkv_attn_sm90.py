@@ -13,9 +13,10 @@ warpgroup and two consumer warpgroups):
   ``NATIVE_BLOCK_M`` queries) and writing the same fp32 chunk partials, reduced by the Triton
   reduction kernel.
 
-Covered: those head dims, bf16/fp16, no window, no softcap, not ``deterministic`` (dQ is
-added with fp32 reductions in whatever order they land), 16-byte aligned tensors (TMA).
-Everything else stays on Triton.
+Covered: those head dims, bf16/fp16, a left window at head dims 128 and 256 (Gemma's sliding
+layers; the forward skips the key blocks before it, the backward reads the windowed tables),
+no softcap, not ``deterministic`` (dQ is added with fp32 reductions in whatever order they land),
+16-byte aligned tensors (TMA). Everything else stays on Triton.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from .checks import tma_aligned
 NATIVE_FWD_BLOCK_M = {128: 128, 256: 128, 512: 64}  # forward: query rows per program
 NATIVE_BLOCK_N = {128: 128, 256: 64, 512: 64}  # backward: keys per program (per CTA pair at 512)
 NATIVE_BLOCK_M = 64  # backward: queries per step
+NATIVE_WINDOW_HEAD_DIMS = (128, 256)
 CSRC = resource_dir("megatron_dualkv.csrc", "csrc")
 
 
@@ -86,26 +88,31 @@ def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_s
         return False
     if q.shape[2] not in NATIVE_FWD_BLOCK_M or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if window_size is not None or softcap is not None or deterministic:
+    if softcap is not None or deterministic:
+        return False
+    if window_size is not None and (q.shape[2] not in NATIVE_WINDOW_HEAD_DIMS or window_size >= 1 << 30):
         return False
     if not all(t.stride(-1) == 1 and tma_aligned(t) for t in (q, k, v)):
         return False
     return _extension() is not None
 
 
-def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float) -> None:
+def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float, window_size: Optional[int] = None) -> None:
     """Native forward, head dim D in NATIVE_FWD_BLOCK_M. q (T, Hq, D); k, v (T, Hkv, D); tiles (n, 5)
-    int32 from ``query_tiles(layout, NATIVE_FWD_BLOCK_M[D])``. Writes out (T, Hq, D) and lse (Hq, T)
-    fp32 in log2 units."""
-    _extension().fwd(q, k, v, tiles, out, lse, sm_scale)
+    int32 from ``query_tiles(layout, NATIVE_FWD_BLOCK_M[D])``; a left window in logical positions
+    at D in NATIVE_WINDOW_HEAD_DIMS. Writes out (T, Hq, D) and lse (Hq, T) fp32 in log2 units."""
+    _extension().fwd(q, k, v, tiles, out, lse, sm_scale, window_size or 0)
 
 
-def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale: float) -> None:
+def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale: float,
+                 window_size: Optional[int], positions: torch.Tensor) -> None:
     """One native dK/dV pass with fused dQ, head dim D in NATIVE_BLOCK_N, key tiles of N = NATIVE_BLOCK_N[D].
 
     q, do (T, Hq, D); k, v (T, Hkv, D); lse, delta (Hq, T) fp32; items (n, 5) int32 from
-    ``key_items(layout, N, NATIVE_BLOCK_M, ...)``. Writes dk, dv (T, Hkv, D) rows of unsplit
-    tiles, fp32 partials (slots * N, Hkv, D) of split ones, and adds dQ (softmax scale included)
-    to the zeroed fp32 dq_acc (T, Hq, D).
+    ``key_items(layout, N, NATIVE_BLOCK_M, ..., window_size)`` (with a window, each item's queries
+    are one run of positions); positions (T,) int64, read with a window. Writes dk, dv (T, Hkv, D)
+    rows of unsplit tiles, fp32 partials (slots * N, Hkv, D) of split ones, and adds dQ (softmax
+    scale included) to the zeroed fp32 dq_acc (T, Hq, D).
     """
-    _extension().dkdv_dq(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale)
+    _extension().dkdv_dq(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale,
+                         window_size or 0, positions)
