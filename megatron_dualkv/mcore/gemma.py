@@ -134,10 +134,17 @@ class GemmaMLP(MLP):
     """``MLP`` whose activation is Gemma's GeGLU, ``gelu_tanh(gate) * linear`` over fc1's two halves,
     one Triton kernel per direction on GPU: Megatron's unfused path would run four PyTorch ops."""
 
-    def __init__(self, config: TransformerConfig, submodules: MLPSubmodules, **kwargs):
+    def __init__(
+        self, config: TransformerConfig, submodules: MLPSubmodules, pg_collection=None, is_mtp_layer: bool = False,
+        **kwargs,
+    ):
         if not config.gated_linear_unit or getattr(config, "activation_func_clamp_value", None) is not None \
                 or getattr(config, "glu_linear_offset", 0.0):
             raise ValueError("GemmaMLP is Gemma's GeGLU: gated_linear_unit, no clamp, no linear offset")
+        # Megatron >= 0.17 hands a subclass of MLP the layer's process groups (as to its
+        # ``as_mlp_submodule``); older versions hand it nothing and MLP takes the global groups.
+        if pg_collection is not None:
+            kwargs.setdefault("tp_group", pg_collection.tp)
         super().__init__(config, submodules, **kwargs)
 
     def forward(self, hidden_states: Tensor, per_token_scale: Optional[Tensor] = None, **kwargs):
