@@ -193,3 +193,14 @@ def test_vocab_must_split_over_tp(tmp_path):
     path.write_text(json.dumps({**load_card("qwen3-tiny").config, "vocab_size": 255}))
     with pytest.raises(ValueError, match=r"vocab_size \(255\) is not divisible by tp \(2\)"):
         build_model(path, tp=2)
+
+
+def test_dense_models_fuse_their_swiglu_on_gpu(monkeypatch):
+    """The GPU config asks Megatron for its fused SwiGLU (where only the config can show it here);
+    not for experts, nor for Gemma's GeGLU (GemmaMLP fuses that), nor on CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not config_of("qwen3-tiny").bias_activation_fusion
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert config_of("qwen3-tiny").bias_activation_fusion
+    assert not config_of("qwen3-moe-tiny").bias_activation_fusion
+    assert not config_of("gemma3-tiny").bias_activation_fusion

@@ -10,6 +10,8 @@ Built from subclasses and a ``ModuleSpec``, never by editing Megatron (transform
   As ``linear_proj`` it is Gemma's post-attention norm, as ``linear_fc2`` its post-feedforward
   norm: the norms sit between the sublayer and its residual add, where ``TransformerLayer`` has
   no slot.
+* ``GemmaMLP``: Megatron's gated MLP with Gemma's tanh-GELU gate as one Triton kernel per
+  direction on GPU (``ops/geglu.py``; Megatron fuses only erf-GELU and SiLU gates).
 * ``GemmaSelfAttention``: per-layer-type head dim and key/value heads (Gemma 4 full-attention
   layers: 512 and fewer heads), keys reused as values (``attention_k_eq_v``), the value norm, and
   the layer type's RoPE frequencies.
@@ -43,6 +45,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
+from ..ops.geglu import geglu_func, geglu_reference
 from ..ops.rms_norm import rms_norm_func, rms_norm_reference
 from .attention import DualKVAttention
 from .gpt_model import DualKVGPTModel
@@ -125,6 +128,33 @@ class PostNormRowParallelLinear(RowParallelLinear):
     def forward(self, input_: Tensor):
         output, bias = super().forward(input_)
         return self.post_norm(output), bias
+
+
+class GemmaMLP(MLP):
+    """``MLP`` whose activation is Gemma's GeGLU, ``gelu_tanh(gate) * linear`` over fc1's two halves,
+    one Triton kernel per direction on GPU: Megatron's unfused path would run four PyTorch ops."""
+
+    def __init__(
+        self, config: TransformerConfig, submodules: MLPSubmodules, pg_collection=None, is_mtp_layer: bool = False,
+        **kwargs,
+    ):
+        if not config.gated_linear_unit or getattr(config, "activation_func_clamp_value", None) is not None \
+                or getattr(config, "glu_linear_offset", 0.0):
+            raise ValueError("GemmaMLP is Gemma's GeGLU: gated_linear_unit, no clamp, no linear offset")
+        # Megatron >= 0.17 hands a subclass of MLP the layer's process groups (as to its
+        # ``as_mlp_submodule``); older versions hand it nothing and MLP takes the global groups.
+        if pg_collection is not None:
+            kwargs.setdefault("tp_group", pg_collection.tp)
+        super().__init__(config, submodules, **kwargs)
+
+    def forward(self, hidden_states: Tensor, per_token_scale: Optional[Tensor] = None, **kwargs):
+        if per_token_scale is not None:  # experts (Gemma's are dense): Megatron's own path
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        activation = geglu_func if intermediate.is_cuda else geglu_reference
+        return self.linear_fc2(activation(intermediate))
 
 
 @dataclass
@@ -254,7 +284,8 @@ def gemma_block_spec(
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=GemmaRMSNorm,
             mlp=ModuleSpec(
-                module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=PostNormRowParallelLinear)
+                module=GemmaMLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=PostNormRowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
         ),

@@ -7,6 +7,7 @@ import os
 from typing import Any, Dict, List, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -137,6 +138,11 @@ def build_transformer_config(
         # TE: TEGroupedMLP. Local: legacy GroupedMLP needs the grouped_gemm CUDA package,
         # otherwise SequentialMLP (a loop over experts, any device).
         kwargs["moe_grouped_gemm"] = use_transformer_engine or _legacy_grouped_gemm_available()
+    elif torch.cuda.is_available() and kwargs.get("gated_linear_unit") and kwargs.get("activation_func") is F.silu:
+        # Megatron's fused SwiGLU (compiled: one kernel per direction instead of a chunk, a SiLU and
+        # a product as PyTorch ops). Not for the experts: a compiled call per expert would add host
+        # time to a step that host time already binds (PERF_NOTES.md, run L).
+        kwargs["bias_activation_fusion"] = True
     kwargs.update(overrides)
     return family.config_class(**kwargs)
 
