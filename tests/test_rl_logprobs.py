@@ -8,7 +8,7 @@ from megatron_dualkv import pack_groups
 from megatron_dualkv.mcore import DualKVPackedSeqParams
 from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import forward_logprobs, response_logprobs, vocab_parallel_logprobs
-from rollouts import make_batch, max_abs_diff
+from rollouts import device_of, make_batch, max_abs_diff
 from strategies import rollout_groups
 
 
@@ -61,7 +61,7 @@ def test_fused_cuda_path_matches_float64(with_entropy):
 def test_indexing_against_a_hand_computation(dense):
     """Token j of a response is predicted by the logits one position earlier in its own sequence:
     the group's last prompt token for j = 0, the response's previous token otherwise."""
-    batch = make_batch()
+    batch = make_batch().to(device_of(dense))
     with torch.no_grad():
         params = DualKVPackedSeqParams.from_layout(batch.layout)
         logits = dense(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params)[0].double()

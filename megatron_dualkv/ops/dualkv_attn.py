@@ -532,9 +532,9 @@ GPU_CONFIGS = {
              (256, KernelConfig(32, 64, 8, 3)), (512, KernelConfig(32, 32, 8, 2))),
     "dkdv_dq": ((256, None), (512, KernelConfig(32, 32, 8, 2))),
     # the dK/dV pass with a sliding window, where None means as "dkdv": its key tiles see short query
-    # ranges (each response's first queries). At the Gemma 4 sliding shape, 64-query x 32-key blocks
-    # took the D=256 backward from 19.5 to 16.7 ms; without a window they lose (20.6 vs 16.8 ms).
-    "dkdv_window": ((128, None), (256, KernelConfig(64, 32, 4, 2, tma=True)), (512, None)),
+    # ranges (each response's first queries). At the Gemma 4 sliding shape, 32 x 32 blocks take the
+    # D=256 backward to 15.2 ms against 16.5 with the "dkdv" blocks (PERF_NOTES.md, run BK).
+    "dkdv_window": ((128, None), (256, KernelConfig(32, 32, 4, 2, tma=True)), (512, None)),
 }
 # the interpreter runs blocks as numpy arrays: small blocks keep CPU tests fast and multi-block;
 # dQ fused there unless deterministic, so that tests cover both backward plans. Float32 on a GPU
