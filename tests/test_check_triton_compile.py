@@ -1,0 +1,39 @@
+"""tools/check_triton_compile.py: the Triton kernels compile for sm_90 on this CPU machine (with the
+installed Triton), and a kernel that the compiler refuses is reported as a failed case."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "check_triton_compile.py"
+
+
+def check(*args, env=None):
+    env = {k: v for k, v in (env or os.environ).items() if k != "TRITON_INTERPRET"}  # the tool compiles
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_kernels_compile_for_hopper():
+    result = check("--head-dims", "64", "--dtypes", "bf16")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sm_90" in result.stdout and "FAILED" not in result.stdout
+    assert result.stdout.count("ok ") == 5  # four attention variants, the elementwise ops
+
+
+def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):
+    """The tool's own check can fail: a copy of the package whose GeGLU kernel makes a block of 3."""
+    package = Path(__file__).resolve().parents[1] / "megatron_dualkv"
+    broken = tmp_path / "megatron_dualkv"
+    subprocess.run(["cp", "-r", str(package), str(broken)], check=True)
+    geglu = broken / "ops" / "geglu.py"
+    source = geglu.read_text()
+    line = "    row = tl.program_id(0).to(tl.int64)"
+    if line not in source:
+        pytest.skip("the GeGLU kernel changed: pick another line to break")
+    geglu.write_text(source.replace(line, line + "\n    row = tl.zeros([3], tl.int64) + row  # not a power of two", 1))
+    result = check("--head-dims", "64", "--dtypes", "bf16",
+                   env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert result.returncode == 1
+    assert "FAILED rms_norm, geglu bf16: CompilationError" in result.stdout

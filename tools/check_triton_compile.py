@@ -1,0 +1,156 @@
+"""Compile every Triton kernel of the package for a GPU, on a machine without one.
+
+The ops run on small CPU tensors, choosing what they would choose on the GPU (its block configs,
+TMA from sm_90 on), and each kernel launch is replaced by a compile for the target: source to
+cubin through ``ptxas``, no launch and no output. A kernel that the GPU's Triton would refuse (a
+type error, shared memory over the limit, an unsupported op) fails here in seconds instead of in
+a device call. The interpreter that runs the CPU tests does not type-check, and it has no
+shared-memory limit.
+
+Use the Triton version of the GPU machine: it is the one that decides. For example:
+
+    pip install --target /tmp/triton36 triton==3.6.0
+    PYTHONPATH=/tmp/triton36 python tools/check_triton_compile.py    # sm_90, bf16 and fp16, every head dim
+    python tools/check_triton_compile.py --head-dims 64 --arch 80    # one head dim, A100
+
+A first run compiles for a few minutes on two cores (Triton caches the results). Float32 cases
+take their small blocks without tensor cores, and at head dim 512 minutes each.
+
+Exits 1 if any case fails, naming it and the compiler's message.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("check_triton_compile compiles kernels: unset TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # an installed or PYTHONPATH package first
+from megatron_dualkv import DualKVLayout  # noqa: E402
+from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
+from megatron_dualkv.ops.geglu import geglu_func  # noqa: E402
+from megatron_dualkv.ops.rms_norm import rms_norm_func  # noqa: E402
+
+HEAD_DIMS = (64, 96, 128, 192, 256, 512)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# prompt 70 and responses 33, 40: several blocks, none a multiple of a block size
+LAYOUT = DualKVLayout(prompt_lens=(70,), response_lens=((33, 40),))
+
+
+class CompileOnlyDriver(DriverBase):
+    """Triton's view of a device: only the target to compile for."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise NotImplementedError("nothing runs: kernels are compiled only")
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def compile_instead_of_launch(arch: int) -> list:
+    """From now on a launch compiles the kernel for ``sm_<arch>`` and returns; returns the list that
+    collects the compiled kernels' names."""
+    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
+    compiled, launch = [], JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(self.fn.__name__)
+        return kernel
+
+    JITFunction.run = run
+    # what the ops would choose on such a GPU, for the CPU tensors here
+    config_on_cpu = kernels.kernel_config
+    kernels.kernel_config = lambda name, head_dim, device, dtype=torch.bfloat16: config_on_cpu(
+        name, head_dim, torch.device("cuda"), dtype)
+    kernels._has_tma = lambda device: arch >= 90
+    return compiled
+
+
+def attention_case(head_dim: int, dtype: torch.dtype, window, softcap, deterministic: bool):
+    t = LAYOUT.total_tokens
+    q = torch.randn(t, 4, head_dim, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(t, 2, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = kernels.dualkv_attn_triton(q, k, v, LAYOUT, window_size=window, softcap=softcap, deterministic=deterministic)
+    out.float().sum().backward()
+
+
+def elementwise_cases(dtype: torch.dtype):
+    x = torch.randn(5, 3, 256, dtype=dtype, requires_grad=True)
+    weight = torch.randn(256, dtype=dtype, requires_grad=True)
+    rms_norm_func(x, weight, 1e-6).float().sum().backward()
+    rms_norm_func(x, None, 1e-6, True).float().sum().backward()
+    geglu_func(torch.randn(5, 2 * 300, dtype=dtype, requires_grad=True)).float().sum().backward()
+
+
+def cases(head_dims, dtypes):
+    for d, (name, dtype) in itertools.product(head_dims, dtypes.items()):
+        for window, softcap, deterministic in [(None, None, False), (16, None, False), (None, 30.0, False),
+                                               (None, None, True)]:
+            label = f"attention D={d} {name}" + (f" window={window}" if window else "") + (
+                f" softcap={softcap}" if softcap else "") + (" deterministic" if deterministic else "")
+            yield label, lambda d=d, dt=dtype, w=window, s=softcap, det=deterministic: attention_case(d, dt, w, s, det)
+    for name, dtype in dtypes.items():
+        yield f"rms_norm, geglu {name}", lambda dt=dtype: elementwise_cases(dt)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10: 90 (H100/H200), 80 (A100)")
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+    parser.add_argument("--dtypes", default="bf16,fp16",
+                        help=f"comma list of {', '.join(DTYPES)} (fp32 takes minutes per case at head dim 512)")
+    args = parser.parse_args()
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    unknown = sorted(set(args.dtypes.split(",")) - set(DTYPES))
+    if unknown:
+        parser.error(f"unknown dtype {', '.join(unknown)}: choose from {', '.join(DTYPES)}")
+    dtypes = {name: DTYPES[name] for name in args.dtypes.split(",")}
+    compiled = compile_instead_of_launch(args.arch)
+    print(f"Triton {triton.__version__}, sm_{args.arch}")
+    failures = 0
+    for label, case in cases(head_dims, dtypes):
+        compiled.clear()
+        start = time.perf_counter()
+        try:
+            case()
+        except Exception as e:  # noqa: BLE001 - report every failing case, then fail
+            failures += 1
+            print(f"FAILED {label}: {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"ok     {label} ({len(set(compiled))} kernels, {time.perf_counter() - start:.1f} s)", flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
