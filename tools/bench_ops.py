@@ -42,19 +42,18 @@ def _randn(*shape, device):
     return torch.randn(*shape, device=device, dtype=torch.bfloat16)
 
 
+def _rms_norm(*row_shape: int) -> Op:
+    """RMSNorm with a weight over the last dim of (tokens, *row_shape): x in, y out; x and dy in, dx out."""
+    return Op(
+        lambda t, d: (_randn(t, *row_shape, device=d), _randn(row_shape[-1], device=d)),
+        lambda x, w: rms_norm_func(x, w, 1e-6), lambda x, w: rms_norm_reference(x, w, 1e-6),
+        lambda xs: 2 * xs[0].numel(), lambda xs: 3 * xs[0].numel(),
+    )
+
+
 OPS = {
-    # the layer's input / post-attention / post-MLP norms: one row per token
-    "rms_norm": Op(
-        lambda t, d: (_randn(t, HIDDEN, device=d), _randn(HIDDEN, device=d)),
-        lambda x, w: rms_norm_func(x, w, 1e-6), lambda x, w: rms_norm_reference(x, w, 1e-6),
-        lambda xs: 2 * xs[0].numel(), lambda xs: 3 * xs[0].numel(),
-    ),
-    # the query/key norms: one row per token and head
-    "rms_norm_heads": Op(
-        lambda t, d: (_randn(t, HEADS, HEAD_DIM, device=d), _randn(HEAD_DIM, device=d)),
-        lambda x, w: rms_norm_func(x, w, 1e-6), lambda x, w: rms_norm_reference(x, w, 1e-6),
-        lambda xs: 2 * xs[0].numel(), lambda xs: 3 * xs[0].numel(),
-    ),
+    "rms_norm": _rms_norm(HIDDEN),  # the layer's input / post-attention / post-MLP norms
+    "rms_norm_heads": _rms_norm(HEADS, HEAD_DIM),  # the query/key norms, one row per token and head
     # fc1's output (gate and linear halves) -> the MLP's activation; backward: dy in, both halves' grads out
     "geglu": Op(
         lambda t, d: (_randn(t, 2 * FFN, device=d),),

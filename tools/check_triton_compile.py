@@ -90,8 +90,8 @@ def compile_instead_of_launch(arch: int) -> list:
 
     JITFunction.run = run
     # what the ops would choose on such a GPU, for the CPU tensors here
-    config_on_cpu = kernels.kernel_config
-    kernels.kernel_config = lambda name, head_dim, device, dtype=torch.bfloat16: config_on_cpu(
+    choose_config = kernels.kernel_config
+    kernels.kernel_config = lambda name, head_dim, device, dtype=torch.bfloat16: choose_config(
         name, head_dim, torch.device("cuda"), dtype)
     kernels._has_tma = lambda device: arch >= 90
     return compiled
