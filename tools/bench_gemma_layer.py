@@ -5,7 +5,7 @@ The layers are those ``build_model`` makes (``models/gemma4-31b.json`` cut to on
 global layer, bf16): norms, QKV, attention, output projection, GeGLU MLP. Sliding layer: head dim
 256, 16 key/value heads, window 1024. Global layer: head dim 512, 4 key/value heads, keys as
 values. Packed: one group ``[P][R_1]..[R_N]``, T = P + N*R tokens, DualKV's default backend (the
-native sm_90 kernels where they apply: the global layer on Hopper; else Triton: the window).
+native sm_90 kernels where they apply: both layers on Hopper; else Triton).
 Replicated: N sequences ``[P][R_i]`` as a ``[P+R, N]`` batch, N*(P+R) tokens, the layer's core
 attention swapped for one PyTorch backend (SDPA cuDNN / flash / memory-efficient, FlexAttention,
 or the flash-attn package when installed); backends that cannot run a shape (flash and cuDNN stop
