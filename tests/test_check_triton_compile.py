@@ -1,6 +1,7 @@
 """tools/check_triton_compile.py: the Triton kernels compile for sm_90 on this CPU machine (with the
 installed Triton), and a kernel that the compiler refuses is reported as a failed case."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):
     """The tool's own check can fail: a copy of the package whose GeGLU kernel makes a block of 3."""
     package = Path(__file__).resolve().parents[1] / "megatron_dualkv"
     broken = tmp_path / "megatron_dualkv"
-    subprocess.run(["cp", "-r", str(package), str(broken)], check=True)
+    shutil.copytree(package, broken)
     geglu = broken / "ops" / "geglu.py"
     source = geglu.read_text()
     line = "    row = tl.program_id(0).to(tl.int64)"

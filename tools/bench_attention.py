@@ -36,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from megatron_dualkv import DualKVLayout, dualkv_attn_func  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
+from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 @dataclass(frozen=True)
@@ -395,12 +396,10 @@ def main():
         run_sustained(workloads, args.methods.split(","), args.sustained, args.out)
         return
     if args.tune:
-        unknown = set(args.tune.split(",")) - set(TUNED_PASSES)
-        if unknown:
-            parser.error(f"--tune: unknown passes {sorted(unknown)}; choose from {TUNED_PASSES}")
+        passes = comma_names(parser, "--tune", args.tune, TUNED_PASSES)
         configs = [parse_config(c) for c in args.configs.split(";") if c]
         for w in workloads:
-            tune(w, args.tune.split(","), configs)
+            tune(w, passes, configs)
         return
     rows = []
     for w in workloads:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import bench, sbhd_attention, write_table  # noqa: E402  (tools/ is on sys.path when run as a script)
+from tool_args import comma_names  # noqa: E402
 from megatron_dualkv import DualKVLayout  # noqa: E402
 from megatron_dualkv.mcore import DualKVPackedSeqParams  # noqa: E402
 from megatron_dualkv.models import ModelCard, build_model, load_card  # noqa: E402
@@ -161,13 +162,12 @@ def main():
                         + ", ".join(KNOWN_BASELINES))
     parser.add_argument("--out", default="bench")
     args = parser.parse_args()
-    unknown = set(args.baselines.split(",")) - set(KNOWN_BASELINES)
-    if args.baselines not in ("all", "none") and unknown:
-        parser.error(f"--baselines: unknown {sorted(unknown)}; known: {KNOWN_BASELINES}")
+    chosen = {"all": KNOWN_BASELINES, "none": []}.get(args.baselines)
+    if chosen is None:
+        chosen = comma_names(parser, "--baselines", args.baselines, KNOWN_BASELINES)
     model = two_layer_model(args.card)
     rows = []
     for kind in args.layers.split(","):
-        chosen = {"all": BASELINES[kind], "none": []}.get(args.baselines, args.baselines.split(","))
         rows += run_layer(model, kind, args.n, args.p, args.r, [m for m in BASELINES[kind] if m in chosen])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gemma_layer_{args.n}x{args.p}x{args.r}.csv")

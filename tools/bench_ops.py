@@ -21,6 +21,7 @@ import torch
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]  # the other tools, the package; also when imported by path
 from bench_attention import bench, write_table  # noqa: E402
+from tool_args import comma_names  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func, geglu_reference  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func, rms_norm_reference  # noqa: E402
 
@@ -95,10 +96,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=16 * 1024 + 8192, help="rows: P + N*R of one packed group")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    ops, methods = args.ops.split(","), args.methods.split(",")
-    unknown = sorted(set(ops) - set(OPS)) + sorted(set(methods) - set(METHODS))
-    if unknown:
-        parser.error(f"unknown op or method {', '.join(unknown)}: ops are {', '.join(OPS)}, methods {', '.join(METHODS)}")
+    ops, methods = comma_names(parser, "--ops", args.ops, OPS), comma_names(parser, "--methods", args.methods, METHODS)
     if not torch.cuda.is_available():
         parser.error("bench_ops times GPU kernels: no CUDA device here")
     rows = []

@@ -35,6 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.driver import DriverBase  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # an installed or PYTHONPATH package first
 from megatron_dualkv import DualKVLayout  # noqa: E402
@@ -132,10 +133,7 @@ def main():
                         help=f"comma list of {', '.join(DTYPES)} (fp32 takes minutes per case at head dim 512)")
     args = parser.parse_args()
     head_dims = [int(d) for d in args.head_dims.split(",")]
-    unknown = sorted(set(args.dtypes.split(",")) - set(DTYPES))
-    if unknown:
-        parser.error(f"unknown dtype {', '.join(unknown)}: choose from {', '.join(DTYPES)}")
-    dtypes = {name: DTYPES[name] for name in args.dtypes.split(",")}
+    dtypes = {name: DTYPES[name] for name in comma_names(parser, "--dtypes", args.dtypes, DTYPES)}
     compiled = compile_instead_of_launch(args.arch)
     print(f"Triton {triton.__version__}, sm_{args.arch}")
     failures = 0
