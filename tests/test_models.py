@@ -136,7 +136,7 @@ def test_built_models_use_dualkv_attention_and_the_card_architecture():
         assert model.output_layer.weight is not model.embedding.word_embeddings.weight
         assert all(p.dtype == torch.float32 for p in model.parameters())
     experts = moe.decoder.layers[0].mlp.experts
-    assert type(experts).__name__ == "SequentialMLP" and len(experts.local_experts) == 8
+    assert type(experts).__name__ == "GroupedMMExperts" and len(experts.local_experts) == 8  # SequentialMLP's parameters
     assert moe.decoder.layers[0].mlp.router.topk == 2
 
 

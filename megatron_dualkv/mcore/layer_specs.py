@@ -6,7 +6,8 @@ Everything else (linears, norms, MLP or MoE, the dense/MoE layer pattern of
 submodule is swapped, through ``ModuleSpec`` copies, never by patching Megatron.
 
 * ``dualkv_local_block_spec``: torch-native modules (ColumnParallelLinear, torch RMSNorm,
-  SequentialMLP experts, or legacy GroupedMLP when the grouped_gemm package is installed);
+  SequentialMLP experts as ``GroupedMMExperts``, or legacy GroupedMLP when the grouped_gemm
+  package is installed);
   runs on CPU and GPU. Its torch norms are ``SequenceParallelTorchNorm`` (``mcore.norms``), so it
   also runs under sequence parallelism.
 * ``dualkv_te_block_spec``: Transformer Engine linears and norms (LayerNorm fused into the QKV
@@ -26,6 +27,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import DualKVAttention
+from .experts import with_grouped_mm_experts
 from .norms import with_sequence_parallel_torch_norms
 
 
@@ -41,6 +43,7 @@ def dualkv_local_block_spec(config: TransformerConfig, vp_stage: Optional[int] =
     # Megatron's local block picks apex FusedLayerNorm for the final norm whenever apex imports,
     # and FusedLayerNorm rejects RMSNorm; the torch norm follows config.normalization.
     block = replace(block, layer_norm=WrappedTorchNorm)
+    block = replace(block, layer_specs=[_layer_with_grouped_mm_experts(spec) for spec in block.layer_specs])
     return _with_dualkv_attention(with_sequence_parallel_torch_norms(block))
 
 
@@ -53,6 +56,10 @@ def dualkv_te_block_spec(config: TransformerConfig, vp_stage: Optional[int] = No
 
 def _with_dualkv_attention(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
     return replace(block, layer_specs=[_layer_with_dualkv_attention(spec) for spec in block.layer_specs])
+
+
+def _layer_with_grouped_mm_experts(layer: ModuleSpec) -> ModuleSpec:
+    return replace(layer, submodules=replace(layer.submodules, mlp=with_grouped_mm_experts(layer.submodules.mlp)))
 
 
 def _layer_with_dualkv_attention(layer: ModuleSpec) -> ModuleSpec:

@@ -1,0 +1,107 @@
+"""``GroupedMMExperts``: Megatron's ``SequentialMLP`` experts run as grouped matmuls.
+
+Without Transformer Engine, Megatron's local spec runs the experts of a MoE layer one after
+another (``SequentialMLP``): at Qwen3-30B-A3B's 128 experts that is ~4,000 small matmul launches
+per step, and the step waits on the host (PERF_NOTES.md, run L). Here each of the two expert linears is one
+``torch._grouped_mm`` over all local experts, forward and backward. The module *is* a
+``SequentialMLP`` (same parameters, state dict, checkpoints and Hugging Face mapping); it only
+replaces the loop, and takes the loop where the grouped path does not apply (biases, fp8,
+Transformer Engine activations, a clamp or offset on the gate, probabilities applied on the
+input, misaligned widths, and on CUDA anything but bf16 on sm_90+).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of expert e] @ W_e^T for expert row ranges ending at ``ends``.
+
+    The stacked (E, out, in) weight is rebuilt in the backward instead of saved: saving it would
+    hold a copy of every expert's weight per layer until the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, ends, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, ends, *weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, torch.stack(weights), offs=ends) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(dy.t(), x, offs=ends)  # (E, out, in): groups along the rows of x and dy
+        return (dx, None, *dw.unbind(0))
+
+
+def grouped_linear(x: torch.Tensor, ends: torch.Tensor, weights: List[torch.Tensor]) -> torch.Tensor:
+    """x (tokens, in) sorted by expert, ends (E,) int32 cumulative row counts, weights E x (out, in) -> (tokens, out)."""
+    return _GroupedLinear.apply(x, ends, *weights)
+
+
+def _aligned(*widths_in_bytes: int) -> bool:
+    return all(width % 16 == 0 for width in widths_in_bytes)  # torch._grouped_mm's stride rule
+
+
+class GroupedMMExperts(SequentialMLP):
+    """``SequentialMLP`` whose experts run as two grouped matmuls (see the module docstring)."""
+
+    def _grouped_path_applies(self, x: torch.Tensor) -> bool:
+        config, expert = self.config, self.local_experts[0]
+        if self.num_local_experts < 2 or not config.gated_linear_unit or config.add_bias_linear:
+            return False
+        if config.activation_func is not F.silu or config.bias_activation_fusion or config.moe_apply_probs_on_input:
+            return False
+        if getattr(config, "use_te_activation_func", False) or getattr(config, "fp8", None) or getattr(config, "fp4", None):
+            return False
+        if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
+            return False
+        if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0)):
+            return False
+        inner = expert.linear_fc2.weight.shape[1]
+        return _aligned(x.shape[1] * x.element_size(), inner * x.element_size())
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        x = permuted_local_hidden_states
+        if not self._grouped_path_applies(x):
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        ends = torch.cumsum(torch.as_tensor(tokens_per_expert).to(x.device), 0).to(torch.int32)
+        # as each expert's MLP: fc1, SwiGLU, times the routing probability in float32, fc2
+        gate, linear = torch.chunk(grouped_linear(x, ends, [e.linear_fc1.weight for e in self.local_experts]), 2, -1)
+        hidden = (F.silu(gate) * linear * permuted_probs.unsqueeze(-1)).to(x.dtype)
+        return grouped_linear(hidden, ends, [e.linear_fc2.weight for e in self.local_experts]), None
+
+
+# Megatron-Core 0.16 writes a spec entry as a ModuleSpec, 0.17+ as functools.partial(module, submodules=...)
+def _module_of(spec):
+    return spec.module if isinstance(spec, ModuleSpec) else getattr(spec, "func", None)
+
+
+def _with_module(spec, module):
+    if isinstance(spec, ModuleSpec):
+        return replace(spec, module=module)
+    return functools.partial(module, *spec.args, **spec.keywords)
+
+
+def _with_submodules(spec, submodules):
+    if isinstance(spec, ModuleSpec):
+        return replace(spec, submodules=submodules)
+    return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+
+
+def with_grouped_mm_experts(mlp):
+    """A layer's ``mlp`` spec entry with ``GroupedMMExperts`` for ``SequentialMLP`` experts; others unchanged."""
+    submodules = mlp.submodules if isinstance(mlp, ModuleSpec) else getattr(mlp, "keywords", {}).get("submodules")
+    experts = getattr(submodules, "experts", None)
+    if _module_of(experts) is not SequentialMLP:
+        return mlp
+    return _with_submodules(mlp, replace(submodules, experts=_with_module(experts, GroupedMMExperts)))

@@ -1,0 +1,60 @@
+"""GroupedMMExperts (two grouped matmuls) against the SequentialMLP loop it replaces, on the same
+module and weights; the model-level checks (Hugging Face logits, packed = replicated, the planner's
+exact split) run Qwen3-MoE through it too."""
+import pytest
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from megatron_dualkv.mcore.experts import GroupedMMExperts
+from megatron_dualkv.models import build_model
+from rollouts import device_of
+
+
+@pytest.fixture(scope="module")
+def experts():
+    model = build_model("qwen3-moe-tiny")
+    modules = [m for m in model.modules() if isinstance(m, SequentialMLP)]
+    assert modules and all(type(m) is GroupedMMExperts for m in modules)
+    return modules[0]
+
+
+def run(forward, module, x, tokens_per_expert, probs, dy):
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    out, bias = forward(module, x, tokens_per_expert, probs)
+    assert bias is None
+    out.backward(dy)
+    return [out, x.grad] + [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("tokens_per_expert", [[3, 0, 5, 1, 0, 7, 2, 4], [0, 0, 0, 9, 0, 0, 0, 0], [1] * 8])
+def test_grouped_matmuls_equal_the_loop_over_experts(experts, tokens_per_expert):
+    device = device_of(experts)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    experts.to(dtype)
+    g = torch.Generator().manual_seed(sum(tokens_per_expert))
+    n, hidden = sum(tokens_per_expert), experts.config.hidden_size
+    x = torch.randn(n, hidden, generator=g).to(device, dtype)
+    probs = torch.rand(n, generator=g).to(device)
+    dy = torch.randn(n, hidden, generator=g).to(device, dtype)
+    counts = torch.tensor(tokens_per_expert)
+    assert experts._grouped_path_applies(x)
+    grouped = run(GroupedMMExperts.forward, experts, x, counts, probs, dy)
+    loop = run(SequentialMLP.forward, experts, x, counts, probs, dy)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(grouped, loop):
+        torch.testing.assert_close(got, want, **tol)
+    experts.float()
+
+
+def test_the_loop_runs_where_grouped_matmuls_do_not_apply(experts, monkeypatch):
+    x = torch.randn(4, experts.config.hidden_size, device=device_of(experts))
+    monkeypatch.setattr(experts.config, "activation_func_clamp_value", 1.0, raising=False)
+    assert not experts._grouped_path_applies(x)
+    monkeypatch.undo()
+    assert not experts._grouped_path_applies(x[:, :-1])  # rows of 63 floats: not 16-byte aligned
+    calls = []
+    monkeypatch.setattr(SequentialMLP, "forward", lambda self, *args: calls.append(args) or (args[0], None))
+    monkeypatch.setattr(experts.config, "add_bias_linear", True)
+    experts(x, torch.tensor([4, 0, 0, 0, 0, 0, 0, 0]), torch.ones(4, device=x.device))
+    assert len(calls) == 1
