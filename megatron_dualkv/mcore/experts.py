@@ -7,7 +7,7 @@ per step, and the step waits on the host (PERF_NOTES.md, run L). Here each of th
 ``SequentialMLP`` (same parameters, state dict, checkpoints and Hugging Face mapping); it only
 replaces the loop, and takes the loop where the grouped path does not apply (biases, fp8,
 Transformer Engine activations, a clamp or offset on the gate, probabilities applied on the
-input, misaligned widths, and on CUDA anything but bf16 on sm_90+).
+input, deferred weight gradients, misaligned widths, and on CUDA anything but bf16 on sm_90+).
 """
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ class GroupedMMExperts(SequentialMLP):
         if config.activation_func is not F.silu or config.bias_activation_fusion or config.moe_apply_probs_on_input:
             return False
         if getattr(config, "use_te_activation_func", False) or getattr(config, "fp8", None) or getattr(config, "fp4", None):
+            return False
+        if getattr(config, "delay_wgrad_compute", False):  # Megatron's deferred weight gradients (backward_dw)
             return False
         if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
             return False
