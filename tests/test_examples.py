@@ -1,6 +1,7 @@
-"""The example scripts end to end (world size 1, subprocesses): the GRPO/DAPO launch script on the
-packed and replicated layouts, save then resume, token-id rollouts; the attention demo; the bundled
-tokenizer's reproducibility; the launch script's input errors."""
+"""The example scripts end to end (subprocesses, world size 1 unless noted): the GRPO/DAPO launch
+script on the packed and replicated layouts, save then resume, token-id rollouts, and on two GPUs
+the one-GPU steps at tp, pp, cp, dp or ep 2; the attention demo; the bundled tokenizer's
+reproducibility; the launch script's input errors."""
 import importlib.util
 import json
 import math
@@ -40,9 +41,10 @@ def run(*args, expect_rc=0):
     return result
 
 
-def run_script(*args):
-    """The script's stdout and its parsed step lines {step: fields}."""
-    out = run(SCRIPT, *args).stdout
+def run_script(*args, ranks=1):
+    """The script's stdout and its parsed step lines {step: fields}; ranks > 1 under torchrun."""
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", ranks) if ranks > 1 else ()
+    out = run(*launcher, SCRIPT, *args).stdout
     steps = {}
     for match in STEP.finditer(out):
         fields = {k: v for k, v in match.groupdict().items()}
@@ -110,6 +112,42 @@ def test_resume_into_another_expert_layout_is_refused(tmp_path):
     result = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 2, SCRIPT,
                  "--model", "qwen3-moe-tiny", "--ep", 2, "--steps", 2, "--load", tmp_path, expect_rc=1)
     assert "saved with expert parallelism {'ep': 1, 'etp': 1}" in result.stdout + result.stderr
+
+
+TWO_GPU_RUNS = {
+    "tp2": ("qwen3-tiny", "--tp", 2),
+    "pp2": ("qwen3-tiny", "--pp", 2),
+    "cp2": ("qwen3-tiny", "--cp", 2),
+    "dp2": ("qwen3-tiny", "--use-distributed-optimizer"),
+    "ep2": ("qwen3-moe-tiny", "--ep", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def one_gpu_runs(tmp_path_factory):
+    """Per card: a weights folder, and the script's 3 steps from it on one rank."""
+    runs = {}
+    for card in {card for card, *_ in TWO_GPU_RUNS.values()}:
+        weights = tmp_path_factory.mktemp("weights") / card
+        run("-c", "from megatron_dualkv.models import build_model, save_model; "
+                  f"save_model(build_model({card!r}), {card!r}, {str(weights)!r})")
+        runs[card] = weights, run_script("--model", weights, "--steps", 3)[1]
+    return runs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL on two GPUs (tests/test_parallel.py checks these layouts exactly on gloo ranks)")
+@pytest.mark.parametrize("name", TWO_GPU_RUNS)
+def test_two_gpus_take_the_one_gpu_steps(one_gpu_runs, name):
+    """The launch script under torchrun on two GPUs, from the same weights: the one-GPU run's steps
+    (margins to bf16 rounding: the ranks reduce in another order)."""
+    card, *flags = TWO_GPU_RUNS[name]
+    weights, want = one_gpu_runs[card]
+    out, got = run_script("--model", weights, "--steps", 3, *flags, ranks=2)
+    assert "world 2" in out and sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert got[step]["reward"] == want[step]["reward"] and got[step]["rho"] == want[step]["rho"], step
+        assert number(got[step], "margin") == pytest.approx(number(want[step], "margin"), abs=1e-3), step
 
 
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
