@@ -211,9 +211,11 @@ def _check_lengths(prompt_lens: Sequence[int], response_lens: Sequence[Sequence[
         )
     for g, (p, rs) in enumerate(zip(prompt_lens, response_lens)):
         if p < 1:
-            raise ValueError(f"DualKVLayout: group {g} has an empty prompt")
+            raise ValueError(f"DualKVLayout: group {g} has a prompt of length {p}; prompts need at least one token")
         if rs and min(rs) < 1:
-            raise ValueError(f"DualKVLayout: group {g} has an empty response")
+            raise ValueError(
+                f"DualKVLayout: group {g} has a response of length {min(rs)}; responses need at least one token"
+            )
     if pad_len < 0:
         raise ValueError(f"DualKVLayout: pad_len must be >= 0, got {pad_len}")
     total = sum(prompt_lens) + sum(map(sum, response_lens)) + pad_len

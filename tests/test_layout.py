@@ -63,8 +63,9 @@ def test_to_device_is_cached_and_keeps_metadata():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (((0,), ((1,),)), "empty prompt"),
-        (((2,), ((1, 0),)), "empty response"),
+        (((0,), ((1,),)), "group 0 has a prompt of length 0"),
+        (((2,), ((1, 0),)), "group 0 has a response of length 0"),
+        (((2,), ((-1,),)), "group 0 has a response of length -1"),
         (((2, 3), ((1,),)), "2 prompt lengths but 1"),
         (((2,), ((1,),), -1), "pad_len"),
         (((2**31,), ((1,),)), "overflow int32"),
