@@ -52,6 +52,12 @@ def run_script(*args, ranks=1):
     return out, steps
 
 
+def save_weights(card: str, folder: Path, **build_kwargs) -> None:
+    """A Megatron checkpoint folder of ``card`` with the random weights of ``build_model(card, **build_kwargs)``."""
+    run("-c", "from megatron_dualkv.models import build_model, save_model; "
+              f"save_model(build_model({card!r}, **{build_kwargs!r}), {card!r}, {str(folder)!r})")
+
+
 def number(fields, key):
     return float(fields[key].replace(",", "").rstrip("%"))
 
@@ -62,8 +68,7 @@ def dapo_runs(tmp_path_factory):
     from a converted Megatron checkpoint of those weights (``--model <folder>``, run at the default
     seed, so only loaded weights can match); 2 replicated steps from the card, saved; step 3 resumed."""
     converted = tmp_path_factory.mktemp("converted") / "qwen3-tiny-77"
-    run("-c", "from megatron_dualkv.models import build_model, save_model; "
-              f"save_model(build_model('qwen3-tiny', seed=77), 'qwen3-tiny', {str(converted)!r})")
+    save_weights("qwen3-tiny", converted, seed=77)
     checkpoints = tmp_path_factory.mktemp("checkpoints")
     straight = run_script("--model", converted, "--loss", "dapo", "--steps", 3)
     card = ("--model", "qwen3-tiny", "--seed", 77, "--loss", "dapo")
@@ -129,8 +134,7 @@ def one_gpu_runs(tmp_path_factory):
     runs = {}
     for card in {card for card, *_ in TWO_GPU_RUNS.values()}:
         weights = tmp_path_factory.mktemp("weights") / card
-        run("-c", "from megatron_dualkv.models import build_model, save_model; "
-                  f"save_model(build_model({card!r}), {card!r}, {str(weights)!r})")
+        save_weights(card, weights)
         runs[card] = weights, run_script("--model", weights, "--steps", 3)[1]
     return runs
 
