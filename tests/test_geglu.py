@@ -9,7 +9,6 @@ from flash_check import DEVICE, LOW, assert_within_twice_the_reference_error
 from megatron_dualkv.ops.geglu import geglu_func, geglu_reference
 
 
-
 def inputs(shape, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = (2 * torch.randn(*shape, generator=g)).to(DEVICE, dtype)

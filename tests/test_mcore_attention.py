@@ -10,6 +10,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from flash_check import DEVICE
 from megatron_dualkv import dualkv_attn_func
 from megatron_dualkv.mcore import DualKVAttention, DualKVPackedSeqParams, ParallelSizes, initialize_parallel_state
 from megatron_dualkv.mcore.cpu_compat import enable_cpu_compat
@@ -93,9 +94,8 @@ def test_without_packed_params_it_is_megatrons_causal_attention(window):
     cfg = config(window_size=window)
     g = torch.Generator().manual_seed(1)
     # where Megatron's attention takes its score buffer (the current CUDA device when there is one)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    q = torch.randn(9, 3, 4, 16, generator=g).to(device)
-    k, v = torch.randn(2, 9, 3, 2, 16, generator=g).to(device)
+    q = torch.randn(9, 3, 4, 16, generator=g).to(DEVICE)
+    k, v = torch.randn(2, 9, 3, 2, 16, generator=g).to(DEVICE)
     ours = attention(cfg)(q, k, v, None)
     theirs = DotProductAttention(cfg, 1, AttnMaskType.causal, "self",
                                  pg_collection=SimpleNamespace(tp=FakeGroup(1)))(q, k, v, None)

@@ -9,7 +9,6 @@ from flash_check import DEVICE, LOW, assert_within_twice_the_reference_error
 from megatron_dualkv.ops.rms_norm import rms_norm_func, rms_norm_reference
 
 
-
 def inputs(shape, weight_kind, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = (3 * torch.randn(*shape, generator=g)).to(DEVICE, dtype)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from .glu import plain_gated_linear_unit
+
 
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of expert e] = x[rows of expert e] @ W_e^T for expert row ranges ending at ``ends``.
@@ -56,15 +58,13 @@ class GroupedMMExperts(SequentialMLP):
 
     def _grouped_path_applies(self, x: torch.Tensor) -> bool:
         config, expert = self.config, self.local_experts[0]
-        if self.num_local_experts < 2 or not config.gated_linear_unit or config.add_bias_linear:
+        if self.num_local_experts < 2 or not plain_gated_linear_unit(config) or config.add_bias_linear:
             return False
         if config.activation_func is not F.silu or config.bias_activation_fusion or config.moe_apply_probs_on_input:
             return False
         if getattr(config, "use_te_activation_func", False) or getattr(config, "fp8", None) or getattr(config, "fp4", None):
             return False
         if getattr(config, "delay_wgrad_compute", False):  # Megatron's deferred weight gradients (backward_dw)
-            return False
-        if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
             return False
         if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0)):
             return False

@@ -48,6 +48,7 @@ from torch import Tensor
 from ..ops.geglu import geglu_func, geglu_reference
 from ..ops.rms_norm import rms_norm_func, rms_norm_reference
 from .attention import DualKVAttention
+from .glu import plain_gated_linear_unit
 from .gpt_model import DualKVGPTModel
 
 
@@ -138,8 +139,7 @@ class GemmaMLP(MLP):
         self, config: TransformerConfig, submodules: MLPSubmodules, pg_collection=None, is_mtp_layer: bool = False,
         **kwargs,
     ):
-        if not config.gated_linear_unit or getattr(config, "activation_func_clamp_value", None) is not None \
-                or getattr(config, "glu_linear_offset", 0.0):
+        if not plain_gated_linear_unit(config):
             raise ValueError("GemmaMLP is Gemma's GeGLU: gated_linear_unit, no clamp, no linear offset")
         # Megatron >= 0.17 hands a subclass of MLP the layer's process groups (as to its
         # ``as_mlp_submodule``); older versions hand it nothing and MLP takes the global groups.
