@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
 from ..mcore.layer_specs import transformer_engine_available
+from ..mcore.multi_tensor import use_foreach_multi_tensor_ops
 from ..mcore.parallel import ParallelSizes, check_model_split, initialize_parallel_state
 from .cards import ModelCard, load_card
 from .family import ModelFamily
@@ -71,7 +72,9 @@ def build_model(
 
     In a plain single process it first maps megatron-core's CUDA-only calls when there is no GPU
     (``enable_cpu_compat``) and initialises ``torch.distributed`` and Megatron's parallel state
-    with a world of one. Weights are randomly initialised; the model is in training mode.
+    with a world of one. Without Transformer Engine and Apex, Megatron's optimizer gets multi-tensor
+    ops that do not loop over the parameters (``use_foreach_multi_tensor_ops``). Weights are
+    randomly initialised; the model is in training mode.
     """
     card = load_card(card)
     family = family_of(card)
@@ -81,6 +84,7 @@ def build_model(
             family.supports_transformer_engine and transformer_engine_available() and torch.cuda.is_available()
         )
     enable_cpu_compat()
+    use_foreach_multi_tensor_ops()
     config = build_transformer_config(card, family, sizes, _param_dtype(card, dtype), use_transformer_engine, overrides)
     model_kwargs = family.gpt_model_kwargs(card)
     check_model_split(config, model_kwargs["vocab_size"], sizes)

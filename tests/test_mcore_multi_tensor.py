@@ -1,0 +1,56 @@
+"""The optimizer's multi-tensor ops without Transformer Engine or Apex (``mcore/multi_tensor.py``):
+against float64 arithmetic, and through Megatron's own gradient norm once ``build_model`` swapped
+them in."""
+import pytest
+import torch
+from flash_check import DEVICE
+from megatron.core.optimizer import clip_grads, optimizer
+
+from megatron_dualkv.mcore import use_foreach_multi_tensor_ops
+from megatron_dualkv.mcore.multi_tensor import foreach_l2_norm, foreach_scale
+from megatron_dualkv.models import build_model
+
+FLAG = torch.zeros(1, dtype=torch.int, device=DEVICE)
+
+
+def tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(DEVICE) for shape in [(7, 5), (1,), (300,), (4, 3, 2)]]
+
+
+def norm64(ts):
+    return torch.cat([t.double().flatten() for t in ts]).norm().item()
+
+
+def test_l2_norm_is_the_norm_of_all_elements():
+    ts = tensors()
+    total, per_tensor = foreach_l2_norm(2048, FLAG, [ts], True)
+    assert total.shape == (1,) and total.dtype == torch.float32 and total.device.type == DEVICE
+    assert total.item() == pytest.approx(norm64(ts), rel=1e-6)
+    torch.testing.assert_close(per_tensor.cpu(), torch.tensor([norm64([t]) for t in ts], dtype=torch.float32))
+    assert foreach_l2_norm(2048, FLAG, [ts], False)[1] is None
+    assert foreach_l2_norm(2048, FLAG, [[]], False)[0].tolist() == [0.0]
+
+
+def test_scale_in_place_and_into_another_dtype():
+    src = tensors()
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
+    for scale in (1.0, 0.25):
+        foreach_scale(2048, FLAG, [src, dst], scale)
+        for s, d in zip(src, dst):
+            assert torch.equal(d, (s * scale).to(torch.bfloat16))
+    grads = [t.clone() for t in src]
+    foreach_scale(2048, FLAG, [grads, grads], 0.5)
+    for s, g in zip(src, grads):
+        assert torch.equal(g, s * 0.5)
+
+
+def test_megatron_runs_them_after_build_model():
+    build_model("qwen3-tiny")
+    if not use_foreach_multi_tensor_ops():
+        pytest.skip("Transformer Engine or Apex supplies Megatron's multi-tensor ops")
+    assert clip_grads.l2_norm_impl is foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is foreach_scale and optimizer.multi_tensor_scale_impl is foreach_scale
+    grads = tensors(seed=1)
+    norm = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=torch.distributed.group.WORLD)
+    assert float(norm) == pytest.approx(norm64(grads), rel=1e-6)
