@@ -7,7 +7,7 @@ from flash_check import DEVICE
 from megatron.core.optimizer import clip_grads, optimizer
 
 from megatron_dualkv.mcore import use_foreach_multi_tensor_ops
-from megatron_dualkv.mcore.multi_tensor import foreach_l2_norm, foreach_scale
+from megatron_dualkv.mcore.multi_tensor import foreach_copy, foreach_l2_norm, foreach_scale
 from megatron_dualkv.models import build_model
 
 FLAG = torch.zeros(1, dtype=torch.int, device=DEVICE)
@@ -43,6 +43,35 @@ def test_scale_in_place_and_into_another_dtype():
     foreach_scale(2048, FLAG, [grads, grads], 0.5)
     for s, g in zip(src, grads):
         assert torch.equal(g, s * 0.5)
+
+
+def test_copy_converts_as_copy_does():
+    src = tensors(seed=2)
+    for dtype in (torch.bfloat16, torch.float32):
+        dst = [torch.empty_like(t, dtype=dtype) for t in src]
+        foreach_copy(src, dst, None)
+        for s, d in zip(src, dst):
+            assert torch.equal(d, torch.empty_like(d).copy_(s))
+    foreach_copy([], [], None)
+
+
+def test_megatron_copies_its_main_weights_in_one_foreach_call(monkeypatch):
+    """Megatron's bf16 optimizer copies its fp32 main weights into the model's through the swapped
+    helper: one ``_foreach_copy_`` for all parameters, not a ``copy_`` each. (The optimizer itself
+    needs CUDA tensors, so its method runs on a stand-in that holds the two lists.)"""
+    from types import SimpleNamespace
+
+    build_model("qwen3-tiny")
+    calls = []
+    foreach = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: calls.append(len(a[0])) or foreach(*a, **k))
+    main = tensors(seed=3)
+    model = [torch.zeros_like(t, dtype=torch.bfloat16) for t in main]
+    holder = SimpleNamespace(_get_model_and_main_params_data_float16=lambda: (model, main), _dummy_overflow_buf=None)
+    optimizer.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params(holder)
+    assert calls == [len(main)]
+    for m, w in zip(main, model):
+        assert torch.equal(w, m.to(torch.bfloat16))
 
 
 def test_megatron_runs_them_after_build_model():

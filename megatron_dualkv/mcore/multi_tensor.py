@@ -6,11 +6,14 @@ the list of CUDA scalars into a host tensor, one device synchronisation per para
 scale (gradient clipping) launches a multiply and a copy per parameter. A Qwen3-30B-A3B layer
 holds 263 parameters (each of its 128 experts has two), so the 48-layer model pays ~12,600
 synchronisations per optimizer step. The PyTorch optimizers Megatron falls back to are
-multi-tensor already.
+multi-tensor already. With bf16 parameters, Megatron's copy of the fp32 main weights into the
+model's weights after each step loops over the parameters even with Apex (whose op has no bf16):
+one launch, and on the host ~75 us, per parameter.
 
-``use_foreach_multi_tensor_ops()`` replaces exactly those two fallbacks with the versions below
-(a few launches per list, no synchronisation). Where Transformer Engine or Apex provides the ops,
-Megatron did not pick the fallbacks and nothing changes. ``build_model`` applies it.
+``use_foreach_multi_tensor_ops()`` replaces the two fallbacks with the versions below (a few
+launches per list, no synchronisation), and the copy loop with one ``torch._foreach_copy_``.
+Where Transformer Engine or Apex provides the norm and scale, Megatron did not pick the fallbacks
+and they stay. ``build_model`` applies it.
 """
 from __future__ import annotations
 
@@ -43,11 +46,21 @@ def foreach_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequen
         torch._foreach_copy_(dsts, srcs if scale == 1.0 else torch._foreach_mul(srcs, scale))
 
 
+def foreach_copy(this: Sequence[torch.Tensor], that: Sequence[torch.Tensor],
+                 overflow_buf: Optional[torch.Tensor] = None) -> None:
+    """``megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that``: that[i] = this[i], dtypes
+    converted (round to nearest even, as ``copy_``), in one ``_foreach_copy_``. ``overflow_buf`` is
+    Megatron's dummy flag of the Apex path; nothing reads it."""
+    if this:
+        torch._foreach_copy_(list(that), list(this))
+
+
 def use_foreach_multi_tensor_ops() -> bool:
     """Swap Megatron's per-parameter fallbacks for the ``torch._foreach`` versions. Idempotent.
 
-    Returns True when Megatron runs the foreach versions (its fallbacks were in use), False when
-    Transformer Engine or Apex supplied the ops (then nothing is changed).
+    Returns True when Megatron runs the foreach norm and scale (its fallbacks were in use), False
+    when Transformer Engine or Apex supplied them (then they stay). The main-to-model weight copy
+    becomes ``foreach_copy`` either way.
     """
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
@@ -61,4 +74,7 @@ def use_foreach_multi_tensor_ops() -> bool:
         if current is fallback:
             setattr(module, name, ours)
         active |= getattr(module, name, None) is ours
+    copy = getattr(optimizer, "_multi_tensor_copy_this_to_that", None)
+    if getattr(copy, "__module__", None) == optimizer.__name__:  # Megatron's own, not already swapped
+        optimizer._multi_tensor_copy_this_to_that = foreach_copy
     return active
