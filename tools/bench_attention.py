@@ -58,6 +58,9 @@ WORKLOADS = [
     Workload("d128-16x8192x1024", 16, 8192, 1024, 32, 8, 128),
     Workload("d128-32x8192x512", 32, 8192, 512, 32, 8, 128),
     Workload("d128-8x4096x4096", 8, 4096, 4096, 32, 8, 128),
+    # N = 1 is one plain causal sequence of 16,384, the same mask for every method: SDPA's rate there
+    # is the vendor kernels' rate on the simplest mask, a reference for ours
+    Workload("d128-1x8192x8192", 1, 8192, 8192, 32, 8, 128),
     Workload("d256-16x8192x1024", 16, 8192, 1024, 16, 8, 256),
     Workload("d512-16x8192x1024", 16, 8192, 1024, 32, 16, 512),
     # a Gemma 4 sliding layer's attention: the window cuts the prompt keys the responses see
