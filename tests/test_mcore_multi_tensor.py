@@ -1,6 +1,6 @@
 """The optimizer's multi-tensor ops without Transformer Engine or Apex (``mcore/multi_tensor.py``):
-against float64 arithmetic, and through Megatron's own gradient norm once ``build_model`` swapped
-them in."""
+against float64 arithmetic and ``copy_``, and through Megatron's own gradient norm and weight copy
+once ``build_model`` swapped them in."""
 import pytest
 import torch
 from flash_check import DEVICE

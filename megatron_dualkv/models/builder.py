@@ -72,9 +72,9 @@ def build_model(
 
     In a plain single process it first maps megatron-core's CUDA-only calls when there is no GPU
     (``enable_cpu_compat``) and initialises ``torch.distributed`` and Megatron's parallel state
-    with a world of one. Without Transformer Engine and Apex, Megatron's optimizer gets multi-tensor
-    ops that do not loop over the parameters (``use_foreach_multi_tensor_ops``). Weights are
-    randomly initialised; the model is in training mode.
+    with a world of one. Megatron's optimizer gets multi-tensor ops where it would loop over the
+    parameters (``use_foreach_multi_tensor_ops``). Weights are randomly initialised; the model is in
+    training mode.
     """
     card = load_card(card)
     family = family_of(card)
