@@ -275,6 +275,26 @@ def test_bench_halves_the_micro_batch_until_it_fits(bench, monkeypatch):
     assert result.step_s == pytest.approx(0.5) and result.tflops == pytest.approx(4.0) and result.mfu == pytest.approx(0.4)
 
 
+def test_bench_update_replaces_only_the_rows_of_the_models_measured(bench, tmp_path, capsys):
+    """``--update``: the re-measured model's rows replace its old ones where they stood, a new
+    model's rows go last, the others stay with the matmul rate of their own run; the CSV reads back."""
+    def rows(model, step_s, peak):
+        return [bench.Result(model, 4, 16, 8192, 1024, layout, 16, 24576, 1, step_s, 1e5, 300.0, 0.4, 80.0,
+                             2.0 if layout == "packed" else float("nan"), peak) for layout in ("packed", "replicated")]
+
+    old = rows("dense", 0.6, 781.5) + rows("moe", 0.5, 783.5)
+    table = tmp_path / "policy_update_h200.csv"
+    bench.write_csv(old, table)
+    merged = bench.updated(bench.read_results(table), rows("moe", 0.4, 795.2) + rows("gemma", 0.9, 795.2))
+    assert [(r.model, r.layout, r.step_s, r.matmul_peak_tflops) for r in merged] == [
+        ("dense", "packed", 0.6, 781.5), ("dense", "replicated", 0.6, 781.5), ("moe", "packed", 0.4, 795.2),
+        ("moe", "replicated", 0.4, 795.2), ("gemma", "packed", 0.9, 795.2), ("gemma", "replicated", 0.9, 795.2)]
+    assert bench.read_results(table)[0] == old[0]
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--tiny", "--update", str(tmp_path / "missing.csv")])
+    assert "--update: " in capsys.readouterr().err
+
+
 def test_bench_ops_times_the_same_math_in_each_method():
     """tools/bench_ops.py: each op's kernel and the PyTorch ops it is timed against give the same
     output and gradients (float32, a few rows; the interpreter on CPU)."""

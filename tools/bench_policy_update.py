@@ -3,6 +3,7 @@ replicated layout with PyTorch SDPA (cuDNN backend).
 
     python tools/bench_policy_update.py --out bench/           # one H200: Qwen3-8B and Qwen3-30B-A3B layer dims
     python tools/bench_policy_update.py --device cpu --tiny    # dry run of the same code: tiny cards, small groups
+    python tools/bench_policy_update.py --models moe --update bench/policy_update_h200.csv   # re-measure one model
 
 Models: Qwen3-8B layer dimensions with ``--dense-layers`` layers and Qwen3-30B-A3B-dimension MoE
 layers (``--moe-layers``), full vocabulary, bf16 parameters with Megatron's fp32 main weights and
@@ -18,6 +19,8 @@ micro-batch, halving from N until a step runs without running out of memory), th
 the median step time over ``--repeats`` steps, rollout tokens per second, model TFLOP/s (4x the
 forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU against the bf16 matmul rate
 measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG.
+``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
+theirs, with the matmul rate of their own run) and redraws its PNG.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import json
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import List, Optional
 
@@ -102,6 +105,7 @@ class Result:
     mfu: float = float("nan")
     peak_gib: float = float("nan")
     speedup: float = float("nan")
+    matmul_peak_tflops: float = float("nan")  # of the run that measured this row
 
 
 def layer_card(card: str, layers: int, directory: Path) -> Path:
@@ -159,6 +163,7 @@ def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tf
     result.tokens_per_s = steps[0].rollout_tokens / seconds
     result.tflops = steps[0].flops / seconds / 1e12
     result.mfu = result.tflops / peak_tflops
+    result.matmul_peak_tflops = peak_tflops
     result.peak_gib = max(s.peak_memory_gib for s in steps)
     return result
 
@@ -219,13 +224,39 @@ def row(result: Result) -> str:
     return " | ".join(str(c) for c in cells)
 
 
-def write_outputs(results: List[Result], out: Path, peak_tflops: float, baseline: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "policy_update.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])) + ["matmul_peak_tflops"])
+def read_results(path: Path) -> List[Result]:
+    """The rows of a CSV that ``write_outputs`` wrote."""
+    types = {f.name: f.type for f in fields(Result)}
+    cast = {"str": str, "int": int, "float": float}
+    with path.open(newline="") as f:
+        return [Result(**{k: cast[types[k]](v) for k, v in row.items()}) for row in csv.DictReader(f)]
+
+
+def updated(old: List[Result], new: List[Result]) -> List[Result]:
+    """``old`` with the rows of every model in ``new`` replaced by ``new``'s, in place; models not in
+    ``old`` go at the end."""
+    remeasured = {r.model for r in new}
+    rows, done = [], set()
+    for r in old:
+        if r.model not in remeasured:
+            rows.append(r)
+        elif r.model not in done:
+            rows += [n for n in new if n.model == r.model]
+            done.add(r.model)
+    return rows + [n for n in new if n.model not in done]
+
+
+def write_csv(results: List[Result], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
         writer.writeheader()
         for result in results:
-            writer.writerow({**asdict(result), "matmul_peak_tflops": peak_tflops})
+            writer.writerow(asdict(result))
+
+
+def plot(results: List[Result], path: Path, baseline: str) -> None:
+    peaks = sorted({f"{r.matmul_peak_tflops:.4g}" for r in results})
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,12 +271,12 @@ def write_outputs(results: List[Result], out: Path, peak_tflops: float, baseline
         name = "DualKV packed" if layout == "packed" else f"replicated, {baseline}"
         axes[0].bar(xs, [by_label[label].tokens_per_s for label in labels], width, label=name)
         axes[1].bar(xs, [100 * by_label[label].mfu for label in labels], width, label=name)
-    for ax, title in zip(axes, ("rollout tokens / s (policy-update step)", f"MFU % (matmul peak {peak_tflops:.4g} TFLOP/s)")):
+    for ax, title in zip(axes, ("rollout tokens / s (policy-update step)", f"MFU % (matmul peak {' / '.join(peaks)} TFLOP/s)")):
         ax.set_xticks(range(len(labels)), [f"{m}\nN={n} P={p} R={r}" for m, n, p, r in labels], fontsize=7)
         ax.set_title(title)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "policy_update.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -259,7 +290,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one packed step of each model at the first workload (kernel time table)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
+    parser.add_argument("--update", type=Path, metavar="CSV",
+                        help="instead of writing into --out: replace the measured models' rows of this table")
     args = parser.parse_args(argv)
+    if args.update is not None and not args.update.is_file():
+        parser.error(f"--update: {args.update} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
     if args.device == "cpu" and torch.cuda.is_available():
@@ -285,8 +320,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                 results += bench_model(layer_card(card, layers, Path(tmp)), layers, workloads, args, peak)
     if args.profile:
         return
-    write_outputs(results, args.out, peak, "SDPA cuDNN" if args.device == "cuda" else "SDPA math (CPU)")
-    print(f"wrote {args.out / 'policy_update.csv'} and {args.out / 'policy_update.png'}")
+    csv_path = args.update or args.out / "policy_update.csv"
+    if args.update is not None:
+        results = updated(read_results(args.update), results)
+    write_csv(results, csv_path)
+    plot(results, csv_path.with_suffix(".png"), "SDPA cuDNN" if args.device == "cuda" else "SDPA math (CPU)")
+    print(f"wrote {csv_path} and {csv_path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
