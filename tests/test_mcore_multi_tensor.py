@@ -3,9 +3,9 @@ against float64 arithmetic and ``copy_``, and through Megatron's own gradient no
 once ``build_model`` swapped them in."""
 import pytest
 import torch
-from flash_check import DEVICE
 from megatron.core.optimizer import clip_grads, optimizer
 
+from flash_check import DEVICE
 from megatron_dualkv.mcore import use_foreach_multi_tensor_ops
 from megatron_dualkv.mcore.multi_tensor import foreach_copy, foreach_l2_norm, foreach_scale
 from megatron_dualkv.models import build_model

@@ -394,9 +394,11 @@ def main():
     parser.add_argument("--configs", default="", help="with --tune: these configs instead of the built-in candidates, "
                         "'block_m,block_n,warps,stages[,tma]' separated by ';'")
     args = parser.parse_args()
-    workloads = [w for w in WORKLOADS + TUNING_WORKLOADS if w.name in args.workloads.split(",")]
+    known = {w.name: w for w in WORKLOADS + TUNING_WORKLOADS}
+    workloads = [known[name] for name in comma_names(parser, "--workloads", args.workloads, known)]
+    methods = comma_names(parser, "--methods", args.methods, METHODS)
     if args.sustained:
-        run_sustained(workloads, args.methods.split(","), args.sustained, args.out)
+        run_sustained(workloads, methods, args.sustained, args.out)
         return
     if args.tune:
         passes = comma_names(parser, "--tune", args.tune, TUNED_PASSES)
@@ -406,7 +408,7 @@ def main():
         return
     rows = []
     for w in workloads:
-        for method in args.methods.split(","):
+        for method in methods:
             try:
                 row = measure(method, w)
             except Exception as e:  # noqa: BLE001 - a backend that cannot run a shape is a result too

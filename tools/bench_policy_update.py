@@ -46,6 +46,7 @@ from bench_attention import sbhd_attention  # noqa: E402
 from megatron_dualkv import RolloutGroup  # noqa: E402
 from megatron_dualkv.mcore import DualKVAttention  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
+from tool_args import comma_names  # noqa: E402
 
 WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
 TINY_WORKLOADS = [(4, 96, 24), (8, 96, 12)]
@@ -225,7 +226,7 @@ def row(result: Result) -> str:
 
 
 def read_results(path: Path) -> List[Result]:
-    """The rows of a CSV that ``write_outputs`` wrote."""
+    """The rows of a CSV that ``write_csv`` wrote."""
     types = {f.name: f.type for f in fields(Result)}
     cast = {"str": str, "int": int, "float": float}
     with path.open(newline="") as f:
@@ -293,6 +294,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--update", type=Path, metavar="CSV",
                         help="instead of writing into --out: replace the measured models' rows of this table")
     args = parser.parse_args(argv)
+    model_names = comma_names(parser, "--models", args.models, ("dense", "moe"))
     if args.update is not None and not args.update.is_file():
         parser.error(f"--update: {args.update} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -308,7 +310,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(" | ".join(COLUMNS), flush=True)
     cards = ({"dense": ("qwen3-tiny", 2), "moe": ("qwen3-moe-tiny", 2)} if args.tiny
              else {"dense": ("qwen3-8b", args.dense_layers), "moe": ("qwen3-30b-a3b", args.moe_layers)})
-    models = [cards[name] for name in args.models.split(",")]
+    models = [cards[name] for name in model_names]
     workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
     results = []
     with tempfile.TemporaryDirectory() as tmp:
