@@ -10,9 +10,9 @@ Transformer Engine activations, a clamp or offset on the gate, probabilities app
 input, deferred weight gradients, misaligned widths, and on CUDA anything but bf16 on sm_90+).
 
 The grouped matmuls take each linear's weights as one (E, out, in) tensor. The module allocates
-the experts' weights back to back in one storage, so that tensor is a view; stacking them into a
-copy on every call cost ~20 ms of a 0.52 s packed step at Qwen3-30B-A3B dimensions (two 0.4-0.8 GB
-copies per linear and layer; PERF_NOTES.md, run BO). Where something has moved the weights apart
+the experts' weights back to back in one storage, so that tensor is a view. Stacking them into a
+copy on every call moved ~29 GB per packed step at Qwen3-30B-A3B dimensions (24 copies of 0.4-0.8 GB
+in 4 layers, ~8 ms of HBM time; PERF_NOTES.md, run BO). Where something has moved the weights apart
 since (``module.to(dtype)``, the distributed optimizer's parameter buffer, a materialised meta
 model), the call stacks them as before.
 """
