@@ -10,12 +10,16 @@ from megatron_dualkv.models import build_model
 from rollouts import device_of
 
 
-@pytest.fixture(scope="module")
-def experts():
+def first_experts():
     model = build_model("qwen3-moe-tiny")
     modules = [m for m in model.modules() if isinstance(m, SequentialMLP)]
     assert modules and all(type(m) is GroupedMMExperts for m in modules)
     return modules[0]
+
+
+@pytest.fixture(scope="module")
+def experts():
+    return first_experts()
 
 
 def run(forward, module, x, tokens_per_expert, probs, dy):
@@ -64,9 +68,11 @@ def test_the_loop_runs_where_grouped_matmuls_do_not_apply(experts, monkeypatch):
     assert len(calls) == 1
 
 
-def test_expert_weights_lie_back_to_back_and_are_read_in_place(experts):
+def test_expert_weights_lie_back_to_back_and_are_read_in_place():
     """One storage per expert linear, so the grouped matmuls take a view of all the experts'
-    weights; an update of one expert's weight (an optimizer step) shows through it."""
+    weights; an update of one expert's weight (an optimizer step) shows through it. (A model of
+    its own: the module-scoped one is cast by the tests above, which on CUDA moves each weight.)"""
+    experts = first_experts()
     for linear in ("linear_fc1", "linear_fc2"):
         weights = [getattr(e, linear).weight for e in experts.local_experts]
         view = back_to_back_view(weights)
