@@ -8,12 +8,19 @@ per step, and the step waits on the host (PERF_NOTES.md, run L). Here each of th
 replaces the loop, and takes the loop where the grouped path does not apply (biases, fp8,
 Transformer Engine activations, a clamp or offset on the gate, probabilities applied on the
 input, deferred weight gradients, misaligned widths, and on CUDA anything but bf16 on sm_90+).
+
+The grouped matmuls take each linear's weights as one (E, out, in) tensor. The module allocates
+the experts' weights back to back in one storage, so that tensor is a view. Stacking them into a
+copy on every call moved ~29 GB per packed step at Qwen3-30B-A3B dimensions (24 copies of 0.4-0.8 GB
+in 4 layers, ~8 ms of HBM time; PERF_NOTES.md, run BO). Where something has moved the weights apart
+since (``module.to(dtype)``, the distributed optimizer's parameter buffer, a materialised meta
+model), the call stacks them as before.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,23 +30,53 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from .glu import plain_gated_linear_unit
 
 
+def store_back_to_back(weights: List[torch.Tensor]) -> None:
+    """Move the equally shaped ``weights`` (parameters) into one new storage, in order, each becoming
+    a view of it; values, dtypes and devices unchanged."""
+    with torch.no_grad():
+        stack = torch.stack([w.detach() for w in weights])
+    for w, view in zip(weights, stack.unbind(0)):
+        w.data = view
+
+
+def back_to_back_view(weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The (E, out, in) tensor of the E weights without a copy when they are contiguous, equally
+    shaped, and lie back to back in the first one's storage (as ``store_back_to_back`` leaves
+    them); else None."""
+    w0 = weights[0]
+    size = w0.numel() * w0.element_size()
+    for e, w in enumerate(weights):
+        if w.data_ptr() != w0.data_ptr() + e * size or w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous():
+            return None
+    storage = w0.untyped_storage()
+    if storage.data_ptr() + storage.nbytes() < w0.data_ptr() + len(weights) * size:  # adjacent allocations
+        return None
+    return w0.detach().as_strided((len(weights), *w0.shape), (w0.numel(), *w0.stride()), w0.storage_offset())
+
+
+def stacked(weights: List[torch.Tensor]) -> torch.Tensor:
+    """The E weights as one (E, out, in) tensor: a view where they lie back to back, else a copy."""
+    view = back_to_back_view(weights)
+    return view if view is not None else torch.stack(weights)
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of expert e] = x[rows of expert e] @ W_e^T for expert row ranges ending at ``ends``.
 
-    The stacked (E, out, in) weight is rebuilt in the backward instead of saved: saving it would
-    hold a copy of every expert's weight per layer until the backward.
+    The stacked (E, out, in) weight is taken again in the backward instead of saved: where it is a
+    copy, saving it would hold one of every expert's weight per layer until the backward.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, ends: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, ends, *weights)
-        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=ends)
+        return torch._grouped_mm(x, stacked(weights).transpose(1, 2), offs=ends)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, ends, *weights = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = torch._grouped_mm(dy, torch.stack(weights), offs=ends) if ctx.needs_input_grad[0] else None
+        dx = torch._grouped_mm(dy, stacked(weights), offs=ends) if ctx.needs_input_grad[0] else None
         dw = torch._grouped_mm(dy.t(), x, offs=ends)  # (E, out, in): groups along the rows of x and dy
         return (dx, None, *dw.unbind(0))
 
@@ -55,6 +92,12 @@ def _aligned(*widths_in_bytes: int) -> bool:
 
 class GroupedMMExperts(SequentialMLP):
     """``SequentialMLP`` whose experts run as two grouped matmuls (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.num_local_experts > 1:
+            for linear in ("linear_fc1", "linear_fc2"):
+                store_back_to_back([getattr(e, linear).weight for e in self.local_experts])
 
     def _grouped_path_applies(self, x: torch.Tensor) -> bool:
         config, expert = self.config, self.local_experts[0]
