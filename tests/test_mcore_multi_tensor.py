@@ -106,8 +106,8 @@ def test_fused_adam_takes_the_multi_tensor_steps(fuse_after):
     adam_steps(reference, 4)
     opt = adam_steps(fused, 4, fuse_after)
     assert all(opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].device == p.device for p in fused)
-    for want, got in zip(reference, fused):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for want, got in zip(reference, fused):  # CUDA's fused kernel rounds differently: ~4e-7 after 4 steps of 0.1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_adam_inside_megatron_optimizer_and_only_adam():
