@@ -46,6 +46,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from tqdm import tqdm
 
 from megatron_dualkv import CostModel, RolloutGroup, plan_micro_batches
+from megatron_dualkv.mcore import use_fused_adam
 from megatron_dualkv.mcore.parallel import current_parallel_sizes
 from megatron_dualkv.models import build_model, load_model
 from megatron_dualkv.rl import DAPOLoss, GRPOLoss, RLMicroBatch, forward_backward
@@ -223,6 +224,7 @@ def build_policy(args: argparse.Namespace) -> Policy:
         ),
         [ddp],
     )
+    use_fused_adam(optimizer)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return Policy(ddp, optimizer, cost, args.model, vocab_size, token_multiple)

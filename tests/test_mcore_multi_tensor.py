@@ -6,7 +6,7 @@ import torch
 from megatron.core.optimizer import clip_grads, optimizer
 
 from flash_check import DEVICE
-from megatron_dualkv.mcore import use_foreach_multi_tensor_ops
+from megatron_dualkv.mcore import use_foreach_multi_tensor_ops, use_fused_adam
 from megatron_dualkv.mcore.multi_tensor import foreach_copy, foreach_l2_norm, foreach_scale
 from megatron_dualkv.models import build_model
 
@@ -83,3 +83,40 @@ def test_megatron_runs_them_after_build_model():
     grads = tensors(seed=1)
     norm = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=torch.distributed.group.WORLD)
     assert float(norm) == pytest.approx(norm64(grads), rel=1e-6)
+
+
+def adam_steps(params, steps, fuse_after=None):
+    """``steps`` AdamW steps on fixed gradients, switched to the fused kernel after ``fuse_after`` steps."""
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01)
+    for i in range(steps):
+        if i == fuse_after:
+            assert use_fused_adam(opt) == 1 and opt.param_groups[0]["fused"]
+        for j, p in enumerate(params):
+            p.grad = torch.full_like(p, 0.5 - j) + 0.01 * i
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("fuse_after", [0, 2])
+def test_fused_adam_takes_the_multi_tensor_steps(fuse_after):
+    """The same AdamW update as the default multi-tensor one, switched before any step or after two
+    (the step counts move to the device in float32, as the fused kernel reads them)."""
+    reference = [t.clone().requires_grad_() for t in tensors(seed=4)]
+    fused = [t.detach().clone().requires_grad_() for t in reference]
+    adam_steps(reference, 4)
+    opt = adam_steps(fused, 4, fuse_after)
+    assert all(opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].device == p.device for p in fused)
+    for want, got in zip(reference, fused):  # CUDA's fused kernel rounds differently: ~4e-7 after 4 steps of 0.1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adam_inside_megatron_optimizer_and_only_adam():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = build_model("qwen3-tiny", seed=5)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
+    groups = optimizer.param_groups
+    assert use_fused_adam(optimizer) == len(groups) > 0 and all(g["fused"] and not g["foreach"] for g in groups)
+    assert use_fused_adam(torch.optim.SGD(tensors(), lr=0.1)) == 0

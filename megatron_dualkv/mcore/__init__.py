@@ -1,11 +1,11 @@
 """Megatron-Core integration: DualKV core attention, layer specs, the GPT model, the parallel layout
 (``plan_parallel``; Ulysses context parallelism in ``context_parallel``) and the CPU compatibility
-module (applied explicitly with ``enable_cpu_compat()``), and the optimizer's multi-tensor ops without
-Transformer Engine or Apex (``use_foreach_multi_tensor_ops()``)."""
+module (applied explicitly with ``enable_cpu_compat()``), and Megatron's optimizer without Transformer
+Engine or Apex: its multi-tensor ops (``use_foreach_multi_tensor_ops()``) and fused Adam (``use_fused_adam()``)."""
 from .attention import DualKVAttention
 from .cpu_compat import disable_cpu_compat, enable_cpu_compat
 from .gpt_model import DualKVGPTModel
-from .multi_tensor import use_foreach_multi_tensor_ops
+from .multi_tensor import use_foreach_multi_tensor_ops, use_fused_adam
 from .layer_specs import dualkv_local_block_spec, dualkv_te_block_spec, transformer_engine_available
 from .packed_seq_params import DualKVPackedSeqParams
 from .norms import SequenceParallelTorchNorm
@@ -27,4 +27,5 @@ __all__ = [
     "plan_parallel",
     "transformer_engine_available",
     "use_foreach_multi_tensor_ops",
+    "use_fused_adam",
 ]

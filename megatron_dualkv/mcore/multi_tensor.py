@@ -14,10 +14,16 @@ one launch, and on the host ~75 us, per parameter.
 launches per list, no synchronisation), and the copy loop with one ``torch._foreach_copy_``.
 Where Transformer Engine or Apex provides the norm and scale, Megatron did not pick the fallbacks
 and they stay. ``build_model`` applies it.
+
+Megatron's Adam without either package is ``torch.optim.Adam``/``AdamW`` in its default
+multi-tensor form: several passes over the fp32 weights, gradients and moments per step (62 ms of
+a 0.52 s packed step at Qwen3-30B-A3B dimensions, PERF_NOTES.md, run BQ). ``use_fused_adam(optimizer)``
+switches it to torch's fused kernel, the same update in one pass. It acts on an optimizer, so it
+runs after ``get_megatron_optimizer``.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -78,3 +84,38 @@ def use_foreach_multi_tensor_ops() -> bool:
     if getattr(copy, "__module__", None) == optimizer.__name__:  # Megatron's own, not already swapped
         optimizer._multi_tensor_copy_this_to_that = foreach_copy
     return active
+
+
+def _torch_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (chained or not), or ``optimizer`` itself."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", chained)
+        if isinstance(inner, torch.optim.Optimizer):
+            yield inner
+
+
+def use_fused_adam(optimizer) -> int:
+    """Run the torch ``Adam``/``AdamW`` inside ``optimizer`` (Megatron's, or a torch one) as torch's
+    fused kernel where torch has one for its parameters (CUDA, CPU; floating point), instead of the
+    multi-tensor default; the update is the same. Idempotent. Returns how many parameter groups now
+    run fused (Transformer Engine's or Apex's fused Adam are left as they are: 0).
+    """
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = _get_fused_kernels_supported_devices()
+    fused = 0
+    for opt in _torch_optimizers(optimizer):
+        if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            params = group["params"]
+            if group.get("differentiable") or not all(
+                    p.device.type in devices and torch.is_floating_point(p) for p in params):
+                continue
+            group["fused"], group["foreach"] = True, False
+            for p in params:  # a step count from before: fused kernels read it on the device, in fp32
+                state = opt.state.get(p, {})
+                if "step" in state:
+                    state["step"] = state["step"].to(p.device, torch.float32)
+            fused += 1
+    return fused
