@@ -311,3 +311,24 @@ def test_bench_ops_times_the_same_math_in_each_method():
             results.append((out, *torch.autograd.grad(out, leaves, dy)))
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monkeypatch):
+    """Two models: one run of the script per model with the same flags and ``--models`` of one,
+    then one table of both models' rows."""
+    runs = []
+
+    def run(cmd, check):
+        runs.append(cmd)
+        flags = cmd[2:]
+        out = Path(flags[flags.index("--out") + 1])
+        name = flags[flags.index("--models") + 1]
+        bench.write_csv([bench.Result(name, 2, 4, 32, 8, layout, step_s=0.1) for layout in ("packed", "replicated")],
+                        out / "policy_update.csv")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    bench.main(["--device", "cpu", "--tiny", "--repeats", "2", "--models", "moe,dense", "--out", str(tmp_path)])
+    assert [cmd[1] for cmd in runs] == [bench.__file__] * 2
+    assert [cmd[cmd.index("--models") + 1] for cmd in runs] == ["moe", "dense"]
+    assert all({"--tiny", "--device", "cpu", "--repeats", "2"} <= set(cmd) for cmd in runs)
+    assert [r.model for r in bench.read_results(tmp_path / "policy_update.csv")] == ["moe", "moe", "dense", "dense"]

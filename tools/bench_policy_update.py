@@ -18,7 +18,8 @@ backend. For each model, workload and layout: the largest micro-batch that fits 
 micro-batch, halving from N until a step runs without running out of memory), then at that size
 the median step time over ``--repeats`` steps, rollout tokens per second, model TFLOP/s (4x the
 forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU against the bf16 matmul rate
-measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG.
+measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG. Each
+model is measured in a process of its own (``measure_alone``).
 ``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
 theirs, with the matmul rate of their own run) and redraws its PNG.
 """
@@ -29,6 +30,7 @@ import csv
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -209,8 +211,6 @@ def bench_model(card: Path, layers: int, workloads, args, peak_tflops: float) ->
         results += pair
         for result in pair:
             print(row(result), flush=True)
-    del policy
-    free_memory()
     return results
 
 
@@ -280,6 +280,24 @@ def plot(results: List[Result], path: Path, baseline: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def model_flags(args, name: str, out: Path) -> List[str]:
+    """The flags of this run for model ``name`` alone, writing into ``out``."""
+    flags = ["--device", args.device, "--dense-layers", str(args.dense_layers), "--moe-layers", str(args.moe_layers),
+             "--repeats", str(args.repeats), "--models", name, "--out", str(out)]
+    return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile
+
+
+def measure_alone(name: str, args) -> List[Result]:
+    """Model ``name``'s rows, measured by this script in a process of its own. Measured after the MoE
+    model in one process, the dense model found the MoE model's weights and optimizer state (57 GiB)
+    still allocated on the GPU, and its replicated baseline got half the micro-batch (PERF_NOTES.md,
+    run CC); what kept them alive was not found."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out if args.profile else Path(tmp)
+        subprocess.run([sys.executable, __file__, *model_flags(args, name, out)], check=True)
+        return [] if args.profile else read_results(out / "policy_update.csv")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -301,6 +319,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
     if args.device == "cpu" and torch.cuda.is_available():
         parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
+    if len(model_names) > 1:
+        results = [r for name in model_names for r in measure_alone(name, args)]
+        if not args.profile:
+            write_results(results, args)
+        return
     # Megatron's mixed-precision optimizer needs CUDA: the CPU dry run is float32.
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     peak = (policy_update.measure_matmul_tflops() if args.device == "cuda"
@@ -310,18 +333,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(" | ".join(COLUMNS), flush=True)
     cards = ({"dense": ("qwen3-tiny", 2), "moe": ("qwen3-moe-tiny", 2)} if args.tiny
              else {"dense": ("qwen3-8b", args.dense_layers), "moe": ("qwen3-30b-a3b", args.moe_layers)})
-    models = [cards[name] for name in model_names]
+    card, layers = cards[model_names[0]]
     workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for card, layers in models:
-            if args.profile:
-                profile_step(layer_card(card, layers, Path(tmp)), workloads[0], args)
-                free_memory()
-            else:
-                results += bench_model(layer_card(card, layers, Path(tmp)), layers, workloads, args, peak)
-    if args.profile:
-        return
+        if args.profile:
+            profile_step(layer_card(card, layers, Path(tmp)), workloads[0], args)
+            return
+        results = bench_model(layer_card(card, layers, Path(tmp)), layers, workloads, args, peak)
+    write_results(results, args)
+
+
+def write_results(results: List[Result], args) -> None:
+    """The CSV (``--update``'s table with these rows in, or a new one in ``--out``) and its plot."""
     csv_path = args.update or args.out / "policy_update.csv"
     if args.update is not None:
         results = updated(read_results(args.update), results)
