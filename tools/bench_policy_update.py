@@ -290,8 +290,8 @@ def model_flags(args, name: str, out: Path) -> List[str]:
 def measure_alone(name: str, args) -> List[Result]:
     """Model ``name``'s rows, measured by this script in a process of its own. Measured after the MoE
     model in one process, the dense model found the MoE model's weights and optimizer state (57 GiB)
-    still allocated on the GPU, and its replicated baseline got half the micro-batch (PERF_NOTES.md,
-    run CC); what kept them alive was not found."""
+    still allocated, and its replicated baseline got half the micro-batch (PERF_NOTES.md, run CC):
+    a stepped MoE model in Megatron's DDP is never freed (README, Embedding, Notes)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out if args.profile else Path(tmp)
         subprocess.run([sys.executable, __file__, *model_flags(args, name, out)], check=True)
