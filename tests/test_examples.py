@@ -327,7 +327,10 @@ def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monk
                         out / "policy_update.csv")
 
     monkeypatch.setattr(bench.subprocess, "run", run)
+    plotted = []
+    monkeypatch.setattr(bench, "plot", lambda results, path, baseline: plotted.append(path))  # needs matplotlib
     bench.main(["--device", "cpu", "--tiny", "--repeats", "2", "--models", "moe,dense", "--out", str(tmp_path)])
+    assert plotted == [tmp_path / "policy_update.png"]
     assert [cmd[1] for cmd in runs] == [bench.__file__] * 2
     assert [cmd[cmd.index("--models") + 1] for cmd in runs] == ["moe", "dense"]
     assert all({"--tiny", "--device", "cpu", "--repeats", "2"} <= set(cmd) for cmd in runs)
