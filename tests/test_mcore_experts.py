@@ -37,7 +37,7 @@ def test_grouped_matmuls_equal_the_loop_over_experts(experts, tokens_per_expert)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     experts.to(dtype)  # on CUDA a cast: each weight gets its own storage again
     for linear in ("linear_fc1", "linear_fc2"):
-        weights = [getattr(e, linear).weight for e in experts.local_experts]
+        weights = experts.expert_weights(linear)
         store_back_to_back(weights)
         assert back_to_back_view(weights) is not None  # the grouped matmuls read the weights in place
     g = torch.Generator().manual_seed(sum(tokens_per_expert))
@@ -74,7 +74,7 @@ def test_expert_weights_lie_back_to_back_and_are_read_in_place():
     its own: the module-scoped one is cast by the tests above, which on CUDA moves each weight.)"""
     experts = first_experts()
     for linear in ("linear_fc1", "linear_fc2"):
-        weights = [getattr(e, linear).weight for e in experts.local_experts]
+        weights = experts.expert_weights(linear)
         view = back_to_back_view(weights)
         assert view is not None and view.data_ptr() == weights[0].data_ptr()
         assert torch.equal(view, torch.stack(weights))

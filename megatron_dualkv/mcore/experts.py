@@ -97,7 +97,11 @@ class GroupedMMExperts(SequentialMLP):
         super().__init__(*args, **kwargs)
         if self.num_local_experts > 1:
             for linear in ("linear_fc1", "linear_fc2"):
-                store_back_to_back([getattr(e, linear).weight for e in self.local_experts])
+                store_back_to_back(self.expert_weights(linear))
+
+    def expert_weights(self, linear: str) -> List[torch.Tensor]:
+        """The local experts' weights of ``linear`` ("linear_fc1" or "linear_fc2"), in expert order."""
+        return [getattr(e, linear).weight for e in self.local_experts]
 
     def _grouped_path_applies(self, x: torch.Tensor) -> bool:
         config, expert = self.config, self.local_experts[0]
@@ -121,9 +125,9 @@ class GroupedMMExperts(SequentialMLP):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         ends = torch.cumsum(torch.as_tensor(tokens_per_expert).to(x.device), 0).to(torch.int32)
         # as each expert's MLP: fc1, SwiGLU, times the routing probability in float32, fc2
-        gate, linear = torch.chunk(grouped_linear(x, ends, [e.linear_fc1.weight for e in self.local_experts]), 2, -1)
+        gate, linear = torch.chunk(grouped_linear(x, ends, self.expert_weights("linear_fc1")), 2, -1)
         hidden = (F.silu(gate) * linear * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_linear(hidden, ends, [e.linear_fc2.weight for e in self.local_experts]), None
+        return grouped_linear(hidden, ends, self.expert_weights("linear_fc2")), None
 
 
 # Megatron-Core 0.16 writes a spec entry as a ModuleSpec, 0.17+ as functools.partial(module, submodules=...)
