@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const auto add_dq = [&](const float (&dq)[32], int step) {
     if (dq_issuer) bulk_wait_read();  // the previous block's boxes have been read
     warpgroup_sync(wg);
-    stage_dq<false>(dq, s.dq[wg], wq, g, c);  // the conflict-free order measured slower here
+    stage_dq(dq, s.dq[wg], wq, g, c);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     warpgroup_sync(wg);
     if (dq_issuer) {
