@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       uint8_t (*boxes)[BLOCK_M * ROW_BYTES] = SPLIT > 1 && half ? s.q[st] + 2 * wg : s.dq[wg];
       if (dq_issuer && (SPLIT == 1 || !half)) bulk_wait_read();  // the boxes' previous contents were read
       warpgroup_sync(wg);  // (for half 1: every warp's slice of the dK matmul has read the Q panels)
-      stage_dq<true>(dq, boxes);
+      stage_dq(dq, boxes);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       warpgroup_sync(wg);
       if (dq_issuer) {

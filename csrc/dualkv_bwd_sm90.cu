@@ -132,13 +132,18 @@ __global__ void __launch_bounds__(THREADS, 1)
                             smem_desc(s.k[wg] + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024), kk);
     wgmma_commit();
   };
-  // a finished dQ block -> two swizzled (64, 32) fp32 boxes -> bulk reductions. Masked queries
+  // a finished dQ block -> two swizzled (64, 32) fp32 boxes (stage_dq), added to the buffer by
+  // bulk reductions that issue_reduce starts after the next step's S^T wait: there the copy
+  // engine's reads of the boxes no longer compete with the S^T and dP^T wgmmas, which read their
+  // operands at the shared-memory port's full rate (PERF_NOTES.md, runs CB-CF). Masked queries
   // have dS = 0, so the block's rows outside [q_lo, q_hi) add exact zeros.
-  const auto add_dq = [&](const float (&dq)[32], int step) {
+  const auto add_dq = [&](const float (&dq)[32]) {
     if (dq_issuer) bulk_wait_read();  // the previous block's boxes have been read
     warpgroup_sync(wg);
-    stage_dq<false>(dq, s.dq[wg], wq, g, c);  // the conflict-free order measured slower here
+    stage_dq(dq, s.dq[wg], wq, g, c);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  };
+  const auto issue_reduce = [&](int step) {  // of the block staged last, step's dQ
     warpgroup_sync(wg);
     if (dq_issuer) {
       const int h = hk * group + step / q_blocks, q0 = q_lo + (step % q_blocks) * BLOCK_M;
@@ -170,6 +175,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     mma_ss_head_dim<T, HEAD_DIM>(dp, s.v[0] + 64 * wg * ROW_BYTES, sizeof(s.v[0]), s.dout[st][0], sizeof(s.dout[st][0]));
     wgmma_wait<1>();  // S^T
     fence_regs(sc);
+    if (step > 0) issue_reduce(max(step - 2, 0));  // staged at the end of step - 1
 
     // P^T: keys are rows, queries columns; a key past the tile, a query past the range, a query
     // before the key (packed order) or, with a window, too far after it is invisible
@@ -235,8 +241,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     fence_regs(da);
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage's Q and dO
-    add_dq(dq, max(step - 1, 0));  // at step 0: zeros
+    add_dq(dq);  // of step - 1; at step 0: zeros
   }
+  if (steps > 0) issue_reduce(max(steps - 2, 0));
   if (steps > 0) {
     float dq[32];
     wait_ds(steps - 1);
@@ -244,7 +251,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     issue_dq(dq, s.ds[(steps - 1) % 3]);
     wgmma_wait<0>();
     fence_regs(dq);
-    add_dq(dq, steps - 1);
+    add_dq(dq);
+    issue_reduce(steps - 1);
   }
   if (dq_issuer) bulk_wait();
 

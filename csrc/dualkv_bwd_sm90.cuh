@@ -75,28 +75,25 @@ __device__ __forceinline__ void load_lse_delta(float* lse, float* delta, const B
 }
 
 // A warpgroup's 64 x 64 fp32 dQ block (accumulator layout) -> two (64 queries, 32 fp32) boxes in
-// TMA's 128-byte swizzle (16-byte chunk k of row r at k ^ r % 8), ready for bulk reductions.
-// Stored plainly (group i of every lane in store i), a half-warp's 8-byte stores cover only 4
-// chunks and take two wavefronts (2-way bank conflicts; ncu: run AN in PERF_NOTES.md).
-// CONFLICT_FREE: lanes with odd g write column group i ^ 2 instead, 8 distinct chunks and one
-// wavefront, for 2 selects per store: -0.5 ms at D = 256, -7.5 at 512, but +1 ms at D = 128.
+// TMA's 128-byte swizzle (16-byte position k of row r at k ^ r % 8), ready for bulk reductions,
+// with the 16-byte chunks of each row permuted: chunk j (columns 4j..4j+3 of the box) at position
+// 4 (j % 2) + j / 2, so that the fp32 dQ buffer holds dQ in that order (DQ_CHUNK_ORDER in
+// dualkv_attn_sm90.py undoes it). Lane (g, c) stores columns 8 i + 2 c, + 1 of group i, chunk
+// j = 2 (i % 4) + c / 2, at position 4 (c / 2) + i % 4: a half-warp's 16 eight-byte stores hit 8
+// positions x 2 halves, one wavefront. In plain order they hit 4 positions, two wavefronts (ncu:
+// run AN in PERF_NOTES.md); a per-lane choice of registers fixed that at 2 selects per store.
 // wq, g, c: the thread's warp in its warpgroup, lane / 4 and lane % 4 (the D = 128 kernel passes
 // its own, which keeps its SASS as measured).
-template <bool CONFLICT_FREE>
 __device__ __forceinline__ void stage_dq(const float (&dq)[32], uint8_t (*boxes)[BWD_BLOCK_M * ROW_BYTES],
                                          int wq = threadIdx.x / 32 % 4, int g = threadIdx.x % 32 / 4,
                                          int c = threadIdx.x % 4) {
-  const bool odd = CONFLICT_FREE && (g & 1);
-  const int swz = g ^ (odd << 2);  // chunk 2 (j % 4) + c / 2 of group j = i ^ 2 odd, xor g
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 16 * wq + g + 8 * r;  // row % 8 == g
-      const float x0 = odd ? dq[4 * (i ^ 2) + 2 * r] : dq[4 * i + 2 * r];
-      const float x1 = odd ? dq[4 * (i ^ 2) + 2 * r + 1] : dq[4 * i + 2 * r + 1];
-      *reinterpret_cast<float2*>(boxes[i / 4] + row * ROW_BYTES + (((2 * (i % 4) + c / 2) ^ swz) << 4) + 8 * (c % 2)) =
-          make_float2(x0, x1);
+      *reinterpret_cast<float2*>(boxes[i / 4] + row * ROW_BYTES + (((4 * (c / 2) + i % 4) ^ g) << 4) + 8 * (c % 2)) =
+          make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
     }
   }
 }

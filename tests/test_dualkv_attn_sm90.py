@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_dualkv import DualKVLayout, pack_groups
 from megatron_dualkv.ops.dualkv_attn import kernel_tables
-from megatron_dualkv.ops.dualkv_attn_sm90 import native_supported
+from megatron_dualkv.ops.dualkv_attn_sm90 import dq_in_head_dim_order, native_supported
 from flash_check import check_flash_style
 from strategies import rollout_groups
 
@@ -29,6 +29,33 @@ def test_not_chosen_off_hopper_or_outside_its_cases():
         assert not native_supported(*tensors(512, device="cuda"), 100, None, False)
         assert not native_supported(*cuda, None, 30.0, False)
         assert not native_supported(*cuda, None, None, True)
+
+
+@pytest.mark.parametrize("d", [128, 256, 512])
+def test_dq_buffer_order_is_undone(d):
+    """The path of a dQ block through the kernels, modelled per lane: a warpgroup's stores of its
+    (64, 64) accumulator into two swizzled (64, 32) shared-memory boxes (``stage_dq``), then the
+    copy engine adding each box's rows, un-swizzled, to 32 consecutive columns of the buffer."""
+    T, H = 64, 2
+    dq = torch.randn(T, H, d, dtype=torch.float64)
+    buffer = torch.zeros(T, H, d, dtype=torch.float64)
+    for h in range(H):
+        for col0 in range(0, d, 64):  # one warpgroup's 64 columns
+            boxes = torch.zeros(2, 64, 32, dtype=torch.float64)  # (box, row, 4-byte word)
+            for lane in range(128):
+                wq, g, c = lane // 32, lane % 32 // 4, lane % 4
+                for i in range(8):
+                    for r in range(2):
+                        row = 16 * wq + g + 8 * r
+                        word = (((4 * (c // 2) + i % 4) ^ g) * 16 + 8 * (c % 2)) // 4
+                        cols = col0 + 8 * i + 2 * c
+                        boxes[i // 4, row, word:word + 2] = dq[row, h, cols:cols + 2]
+            for b in range(2):
+                for row in range(64):
+                    unswizzled = boxes[b, row].view(8, 4)[[k ^ row % 8 for k in range(8)]].flatten()
+                    buffer[row, h, col0 + 32 * b:col0 + 32 * b + 32] += unswizzled
+    assert not torch.equal(buffer, dq)  # the order differs, and is undone:
+    assert torch.equal(dq_in_head_dim_order(buffer, torch.float64), dq)
 
 
 @pytest.mark.parametrize("d, fwd_rows, key_tile", [(128, 128, 128), (256, 128, 64), (512, 64, 64)])

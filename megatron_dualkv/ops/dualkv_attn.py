@@ -49,8 +49,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import DualKVLayout
 from .checks import check_attention_inputs, tma_aligned
-from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, dkdv_dq_sm90, fwd_sm90,
-                               native_supported)
+from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, dkdv_dq_sm90, dq_in_head_dim_order,
+                               fwd_sm90, native_supported)
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # larger than any position: "window" that never masks
@@ -811,7 +811,7 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
             NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=kv_cfg.block_n,
         )
     if native:  # the native pass scales dS, so dq_acc holds dQ
-        dq = dq_acc.to(q.dtype)
+        dq = dq_in_head_dim_order(dq_acc, q.dtype)
     elif atomic_dq:
         dq = (dq_acc * sm_scale).to(q.dtype)
     return dq, dk, dv

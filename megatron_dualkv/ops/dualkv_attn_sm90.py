@@ -112,7 +112,22 @@ def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv,
     ``key_items(layout, N, NATIVE_BLOCK_M, ..., window_size)`` (with a window, each item's queries
     are one run of positions); positions (T,) int64, read with a window. Writes dk, dv (T, Hkv, D)
     rows of unsplit tiles, fp32 partials (slots * N, Hkv, D) of split ones, and adds dQ (softmax
-    scale included) to the zeroed fp32 dq_acc (T, Hq, D).
+    scale included) to the zeroed contiguous fp32 dq_acc (T, Hq, D), in the kernels' column order:
+    ``dq_in_head_dim_order`` reads it back.
     """
     _extension().dkdv_dq(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale,
                          window_size or 0, positions)
+
+
+def dq_in_head_dim_order(dq_acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dQ (T, Hq, D) in ``dtype`` from the fp32 buffer of ``dkdv_dq_sm90``, in one copy.
+
+    The kernels stage each 32-column group of a dQ row as 8 chunks of 4 columns, chunk j at
+    position 4 (j % 2) + j // 2 (conflict-free shared-memory stores: ``stage_dq`` in
+    csrc/dualkv_bwd_sm90.cuh), and the bulk reductions add it to the buffer in that order.
+    """
+    T, H, D = dq_acc.shape
+    dq = torch.empty(T, H, D, dtype=dtype, device=dq_acc.device)
+    # positions (j % 2, j // 2, column in chunk) -> head-dim order (j // 2, j % 2, column in chunk)
+    dq.view(T, H, D // 32, 4, 2, 4).copy_(dq_acc.view(T, H, D // 32, 2, 4, 4).transpose(3, 4))
+    return dq
