@@ -133,10 +133,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     wgmma_commit();
   };
   // a finished dQ block -> two swizzled (64, 32) fp32 boxes (stage_dq), added to the buffer by
-  // bulk reductions that issue_reduce starts after the next step's S^T wait: there the copy
-  // engine's reads of the boxes no longer compete with the S^T and dP^T wgmmas, which read their
-  // operands at the shared-memory port's full rate (PERF_NOTES.md, runs CB-CF). Masked queries
-  // have dS = 0, so the block's rows outside [q_lo, q_hi) add exact zeros.
+  // bulk reductions that issue_reduce starts in the next step, once dK is issued: the copy
+  // engine's reads of the boxes then overlap the dV and dK wgmmas, which read one operand from
+  // registers, not the S^T and dP^T wgmmas, which read both from shared memory at the port's full
+  // rate (PERF_NOTES.md, runs CB-CJ: after the S^T wait -1%, after dK -2%, after dP^T or the dS^T
+  // stores slower than not deferring). Masked queries have dS = 0, so the block's rows outside
+  // [q_lo, q_hi) add exact zeros.
   const auto add_dq = [&](const float (&dq)[32]) {
     if (dq_issuer) bulk_wait_read();  // the previous block's boxes have been read
     warpgroup_sync(wg);
@@ -175,7 +177,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     mma_ss_head_dim<T, HEAD_DIM>(dp, s.v[0] + 64 * wg * ROW_BYTES, sizeof(s.v[0]), s.dout[st][0], sizeof(s.dout[st][0]));
     wgmma_wait<1>();  // S^T
     fence_regs(sc);
-    if (step > 0) issue_reduce(max(step - 2, 0));  // staged at the end of step - 1
 
     // P^T: keys are rows, queries columns; a key past the tile, a query past the range, a query
     // before the key (packed order) or, with a window, too far after it is invisible
@@ -212,6 +213,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t da[16];
     pack_fragments<T>(dp, da);
     mma_rs<T, BLOCK_M / 16>(dk, da, s.q[st][0], BLOCK_M * ROW_BYTES);
+    if (step > 0) issue_reduce(max(step - 2, 0));  // staged at the end of step - 1
 
     float dq[32];
     wait_ds(step - 1);
