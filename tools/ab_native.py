@@ -1,6 +1,6 @@
 """A/B of native-kernel sources on the GPU: variants of ``csrc/`` timed against each other.
 
-Each variant is a source folder, e.g. another revision's::
+Each variant is a source folder, e.g. another revision's (``ab/`` is ignored by git)::
 
     mkdir -p ab/new && git archive wip/branch csrc | tar -x -C ab/new
     python tools/ab_native.py --variants main=csrc,new=ab/new/csrc --workloads d128-16x8192x1024 --rounds 2 --test
