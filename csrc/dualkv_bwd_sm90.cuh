@@ -77,7 +77,7 @@ __device__ __forceinline__ void load_lse_delta(float* lse, float* delta, const B
 // A warpgroup's 64 x 64 fp32 dQ block (accumulator layout) -> two (64 queries, 32 fp32) boxes in
 // TMA's 128-byte swizzle (16-byte position k of row r at k ^ r % 8), ready for bulk reductions,
 // with the 16-byte chunks of each row permuted: chunk j (columns 4j..4j+3 of the box) at position
-// 4 (j % 2) + j / 2, so that the fp32 dQ buffer holds dQ in that order (DQ_CHUNK_ORDER in
+// 4 (j % 2) + j / 2, so that the fp32 dQ buffer holds dQ in that order (dq_in_head_dim_order in
 // dualkv_attn_sm90.py undoes it). Lane (g, c) stores columns 8 i + 2 c, + 1 of group i, chunk
 // j = 2 (i % 4) + c / 2, at position 4 (c / 2) + i % 4: a half-warp's 16 eight-byte stores hit 8
 // positions x 2 halves, one wavefront. In plain order they hit 4 positions, two wavefronts (ncu:
