@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // rate (PERF_NOTES.md, runs CB-CJ: after the S^T wait -1%, after dK -2%, after dP^T or the dS^T
   // stores slower than not deferring). Masked queries have dS = 0, so the block's rows outside
   // [q_lo, q_hi) add exact zeros.
-  const auto add_dq = [&](const float (&dq)[32]) {
+  const auto stage_block = [&](const float (&dq)[32]) {
     if (dq_issuer) bulk_wait_read();  // the previous block's boxes have been read
     warpgroup_sync(wg);
     stage_dq(dq, s.dq[wg], wq, g, c);
@@ -243,17 +243,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     fence_regs(da);
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.empty[st]);  // this warp is done with the stage's Q and dO
-    add_dq(dq);  // of step - 1; at step 0: zeros
+    stage_block(dq);  // of step - 1; at step 0: zeros
   }
-  if (steps > 0) issue_reduce(max(steps - 2, 0));
   if (steps > 0) {
+    issue_reduce(max(steps - 2, 0));  // the block the loop staged last
     float dq[32];
     wait_ds(steps - 1);
     wgmma_fence();
     issue_dq(dq, s.ds[(steps - 1) % 3]);
     wgmma_wait<0>();
     fence_regs(dq);
-    add_dq(dq);
+    stage_block(dq);
     issue_reduce(steps - 1);
   }
   if (dq_issuer) bulk_wait();
