@@ -9,12 +9,17 @@ above the inputs. Prints a table, writes CSV and a PNG plot.
     python tools/bench_attention.py --out bench/            # all workloads, all methods
     python tools/bench_attention.py --tune fwd,dq,dkdv --workloads d128-16x8192x1024   # sweep block configs
     python tools/bench_attention.py --sustained 6 --methods dualkv,flex --workloads d128-16x8192x1024
+    python tools/bench_attention.py --profile --methods dualkv --workloads d128-16x8192x1024
 
 ``--sustained S`` runs each method's forward+backward back to back for S seconds instead, with
 ``nvidia-smi`` sampling the SM clock and board power: under these kernels an H200 sits at its
 power limit and lowers its clock, so the time ratio of two methods is their energy ratio, not their
 cycle ratio (PERF_NOTES.md, run AY). The table gives ms per iteration over the last two thirds of
 the loop, the median clock and power there, and from them cycles and joules per iteration.
+
+``--profile`` instead times ten forward+backward calls the way the table does (L2 flushed before
+each) under ``torch.profiler`` and prints each kernel's time per call, and the time per call that
+the GPU spends idle between the first kernel and the last (host time the kernels wait for).
 """
 from __future__ import annotations
 
@@ -290,6 +295,36 @@ class GpuSampler:
         return samples
 
 
+def profile_calls(method: str, w: Workload, calls: int = 10) -> None:
+    """Kernel time per forward+backward call, and the GPU's idle time per call between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, fn, leaves, dout = prepared(method, w)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # as triton.testing.do_bench
+
+    def call():
+        for x in leaves:
+            x.grad = None
+        flush.zero_()
+        fn().backward(dout)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    span_us = kernels[-1].time_range.end - kernels[0].time_range.start
+    print(f"{w.name} {method}: per call {span_us / calls / 1e3:.3f} ms from the first kernel to the last, "
+          f"of which kernels {busy_us / calls / 1e3:.3f} ms, idle {(span_us - busy_us) / calls / 1e3:.3f} ms "
+          "(the L2 flush included)")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+
+
 def sustained(method: str, w: Workload, seconds: float):
     """Forward+backward back to back for ``seconds``; the last two thirds are timed, so that the
     clock has settled. Returns the row and that window (start, end) as ``datetime``s."""
@@ -393,10 +428,16 @@ def main():
                         + ",".join(TUNED_PASSES) + " (dkdv_window: the dK/dV pass of workloads with a window)")
     parser.add_argument("--configs", default="", help="with --tune: these configs instead of the built-in candidates, "
                         "'block_m,block_n,warps,stages[,tma]' separated by ';'")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the table: kernel times and idle GPU time per fwd+bwd call (torch.profiler)")
     args = parser.parse_args()
     known = {w.name: w for w in WORKLOADS + TUNING_WORKLOADS}
     workloads = [known[name] for name in comma_names(parser, "--workloads", args.workloads, known)]
     methods = comma_names(parser, "--methods", args.methods, METHODS)
+    if args.profile:
+        for w, method in itertools.product(workloads, methods):
+            profile_calls(method, w)
+        return
     if args.sustained:
         run_sustained(workloads, methods, args.sustained, args.out)
         return
