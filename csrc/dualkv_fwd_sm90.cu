@@ -14,6 +14,9 @@
 //     l = l 2^(m - m') + rowsum P,  O = O 2^(m - m') + P V   (P V: P stays in registers as the
 //                                                              A operand; 128 columns per wgmma)
 //     at the end O /= l and lse = m + log2 l, as the Triton forward stores it.
+// m only has to bound S * scale_log2 from above closely enough that P cannot overflow: a warp
+// keeps its rows' m until one of them would grow by more than RESCALE_LOG2, so most blocks skip
+// the rescale of O (P <= 2^8 then; O / l and lse are the same).
 // The consumer warpgroups take turns issuing their matmuls (ping-pong, see the main loop), so that
 // one's softmax overlaps the other's matmuls on the tensor cores. O takes 128 registers per thread
 // at D = 256 and 512, hence the smaller key blocks there.
@@ -30,6 +33,7 @@ namespace dualkv_sm90 {
 namespace {
 
 constexpr int STAGES = 2;  // per ring; K of block b is released after S_b, V after P_b V_b
+constexpr float RESCALE_LOG2 = 8.f;  // how far a row's max may run ahead of its m (log2 units)
 constexpr int THREADS = 384;
 
 // The tiles of head dim D. How the two consumer warpgroups share a CTA's query tile: up to D = 256
@@ -171,8 +175,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint32_t pa[BLOCK_N / 4];  // P of the last block, bf16/fp16, the A operand of its P V
 
   // Online softmax of block b on S in sc, in three parts: P in sc (unpacked), l and m updated, and
-  // alpha, the factor of O; O rescaled; P packed into pa
+  // alpha, the factor of O (1 unless rescale); O rescaled; P packed into pa
   float alpha[2];
+  bool rescale = true;
   const auto softmax_p = [&](int b) {
     // the prompt: keys past its end are invisible; the segment: keys after the query are; with a
     // window, keys whose position is window or more below the query's
@@ -197,16 +202,24 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) row_max[e >> 1] = fmaxf(row_max[e >> 1], sc[4 * i + e]);
     }
-    float m_sub[2];
+    float m_sub[2], m_new[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffff, row_max[r], 1));
       row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffff, row_max[r], 2));
-      const float m_new = fmaxf(m[r], row_max[r] * p.scale_log2);
+      m_new[r] = fmaxf(m[r], row_max[r] * p.scale_log2);
+    }
+    // the warp's rows keep their m unless one of them would grow past it by more than
+    // RESCALE_LOG2 (or has none yet): then all take the new max, and O is rescaled
+    rescale = __any_sync(0xffffffff, m_new[0] - m[0] > RESCALE_LOG2 || m_new[1] - m[1] > RESCALE_LOG2 ||
+                                         m[0] == -INFINITY || m[1] == -INFINITY);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_use = rescale ? m_new[r] : m[r];
       // a row that has seen no visible key keeps m = -inf: subtract 0 so that P = 0, not NaN
-      m_sub[r] = m_new == -INFINITY ? 0.f : m_new;
+      m_sub[r] = m_use == -INFINITY ? 0.f : m_use;
       alpha[r] = exp2_approx(m[r] - m_sub[r]);
-      m[r] = m_new;
+      m[r] = m_use;
       l[r] *= alpha[r];
     }
 #pragma unroll
@@ -228,7 +241,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   const auto softmax = [&](int b) {
     softmax_p(b);
-    rescale_o();
+    if (rescale) rescale_o();
     pack_fragments<T>(sc, pa);
   };
   // S = Q_w K^T of block b

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
+import triton
+import triton.language as tl
 
 from .._resources import resource_dir
 from .checks import tma_aligned
@@ -119,15 +121,29 @@ def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv,
                          window_size or 0, positions)
 
 
+@triton.jit
+def _dq_in_head_dim_order_kernel(DQ_ACC, DQ, groups, BLOCK: tl.constexpr):
+    # BLOCK 32-column groups per program, read and written whole (coalesced); the chunks move in
+    # registers. The buffer holds chunk j (4 columns) of a group at position 4 (j % 2) + j // 2:
+    # as (j % 2, j // 2, column) it is (j // 2, j % 2, column) transposed.
+    group = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[:, None]
+    at = group * 32 + tl.arange(0, 32)[None, :]
+    ok = group < groups
+    x = tl.load(DQ_ACC + at, mask=ok)
+    x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK, 2, 4, 4)), (0, 2, 1, 3)), (BLOCK, 32))
+    tl.store(DQ + at, x.to(DQ.dtype.element_ty), mask=ok)
+
+
 def dq_in_head_dim_order(dq_acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dQ (T, Hq, D) in ``dtype`` from the fp32 buffer of ``dkdv_dq_sm90``, in one copy.
+    """dQ (T, Hq, D) in ``dtype`` from the fp32 buffer of ``dkdv_dq_sm90``, in one pass.
 
     The kernels stage each 32-column group of a dQ row as 8 chunks of 4 columns, chunk j at
     position 4 (j % 2) + j // 2 (conflict-free shared-memory stores: ``stage_dq`` in
-    csrc/dualkv_bwd_sm90.cuh), and the bulk reductions add it to the buffer in that order.
+    csrc/dualkv_bwd_sm90.cuh), and the bulk reductions add it to the buffer in that order. (A strided
+    ``copy_`` of the permuted view took 0.31 ms at 16x8192x1024, twice a plain cast: PERF_NOTES.md.)
     """
     T, H, D = dq_acc.shape
     dq = torch.empty(T, H, D, dtype=dtype, device=dq_acc.device)
-    # positions (j % 2, j // 2, column in chunk) -> head-dim order (j // 2, j % 2, column in chunk)
-    dq.view(T, H, D // 32, 4, 2, 4).copy_(dq_acc.view(T, H, D // 32, 2, 4, 4).transpose(3, 4))
+    groups, block = T * H * D // 32, 64
+    _dq_in_head_dim_order_kernel[(triton.cdiv(groups, block),)](dq_acc, dq, groups, BLOCK=block, num_warps=4)
     return dq
