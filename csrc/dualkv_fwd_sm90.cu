@@ -14,9 +14,10 @@
 //     l = l 2^(m - m') + rowsum P,  O = O 2^(m - m') + P V   (P V: P stays in registers as the
 //                                                              A operand; 128 columns per wgmma)
 //     at the end O /= l and lse = m + log2 l, as the Triton forward stores it.
-// m only has to bound S * scale_log2 from above closely enough that P cannot overflow: a warp
-// keeps its rows' m until one of them would grow by more than RESCALE_LOG2, so most blocks skip
-// the rescale of O (P <= 2^8 then; O / l and lse are the same).
+// m need not be the running max, only within RESCALE_LOG2 below it, so that P <= 2^8 cannot
+// overflow: a warp keeps its rows' m until one of them would grow by more than that, and most
+// blocks skip the rescale of O (O / l and lse are the same). At D = 512 finish_block still
+// rescales every block (by alpha = 1 where m stayed).
 // The consumer warpgroups take turns issuing their matmuls (ping-pong, see the main loop), so that
 // one's softmax overlaps the other's matmuls on the tensor cores. O takes 128 registers per thread
 // at D = 256 and 512, hence the smaller key blocks there.
