@@ -322,7 +322,7 @@ def profile_calls(method: str, w: Workload, calls: int = 10) -> None:
     print(f"{w.name} {method}: per call {span_us / calls / 1e3:.3f} ms from the first kernel to the last, "
           f"of which kernels {busy_us / calls / 1e3:.3f} ms, idle {(span_us - busy_us) / calls / 1e3:.3f} ms "
           "(the L2 flush included)")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=120), flush=True)
 
 
 def sustained(method: str, w: Workload, seconds: float):
