@@ -5,6 +5,12 @@ Each variant is a source folder, e.g. another revision's (``ab/`` is ignored by 
     mkdir -p ab/new && git archive wip/branch csrc | tar -x -C ab/new
     python tools/ab_native.py --variants main=csrc,new=ab/new/csrc --workloads d128-16x8192x1024 --rounds 2 --test
 
+and runs with this checkout's Python. A variant that changes the Python side too (the kernels'
+arguments, say) is a whole tree instead, run with its own package, benchmark and tests::
+
+    mkdir -p ab/new && git archive wip/branch | tar -x -C ab/new
+    python tools/ab_native.py --variants main=.,new=ab/new --workloads d128-16x8192x1024 --rounds 2 --test
+
 Every variant is built first (in parallel, under a name of its own: ``DUALKV_NATIVE_SOURCES``).
 Then each round runs ``bench_attention.py --methods dualkv`` once per variant, each in its own
 process, variants alternating, so that the card's clock and temperature drift over all of them
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +38,15 @@ sys.path.insert(0, str(ROOT))
 from megatron_dualkv.ops.dualkv_attn_sm90 import native_source_folder  # noqa: E402
 
 
+@dataclass(frozen=True)
+class Variant:
+    csrc: Path  # the native sources it builds
+    root: Path  # the tree whose package, benchmark and tests run it: this checkout, or its own
+
+
 def parse_variants(text: str) -> dict:
-    """``name=folder,...`` -> {name: absolute folder}; each folder must hold a csrc tree."""
+    """``name=folder,...`` -> {name: Variant}; a folder is a csrc tree, or a whole checkout (a
+    ``csrc/`` and a ``megatron_dualkv/`` beside it) that runs with its own Python."""
     variants = {}
     for spec in text.split(","):
         name, sep, folder = spec.partition("=")
@@ -40,16 +54,20 @@ def parse_variants(text: str) -> dict:
             raise ValueError(f"--variants: {spec!r} is not name=folder")
         if name in variants:
             raise ValueError(f"--variants: {name!r} given twice")
+        tree = Path(folder).resolve()
         try:
-            variants[name] = native_source_folder(folder, "--variants")
+            if (tree / "megatron_dualkv").is_dir():
+                variants[name] = Variant(native_source_folder(tree / "csrc", "--variants"), tree)
+            else:
+                variants[name] = Variant(native_source_folder(folder, "--variants"), ROOT)
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
     return variants
 
 
-def variant_env(folder: Path) -> dict:
-    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "DUALKV_NATIVE_SOURCES": str(folder), "PYTHONPATH": os.pathsep.join(path)}
+def variant_env(v: Variant) -> dict:
+    path = [str(v.root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "DUALKV_NATIVE_SOURCES": str(v.csrc), "PYTHONPATH": os.pathsep.join(path)}
 
 
 def build(variants: dict) -> None:
@@ -57,9 +75,9 @@ def build(variants: dict) -> None:
     the Triton kernels would make the A/B compare the wrong thing)."""
     check = "from megatron_dualkv.ops.dualkv_attn_sm90 import _extension; assert _extension() is not None"
     start = time.time()
-    procs = {name: subprocess.Popen([sys.executable, "-c", check], env=variant_env(folder),
+    procs = {name: subprocess.Popen([sys.executable, "-c", check], env=variant_env(v), cwd=v.root,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, folder in variants.items()}
+             for name, v in variants.items()}
     for name, proc in procs.items():
         out, _ = proc.communicate()
         if proc.returncode:
@@ -67,22 +85,22 @@ def build(variants: dict) -> None:
     print(f"built {', '.join(variants)} in {time.time() - start:.0f} s", flush=True)
 
 
-def bench_round(name: str, folder: Path, workloads: str, sustained: float, tmp: Path) -> list:
+def bench_round(name: str, v: Variant, workloads: str, sustained: float, tmp: Path) -> list:
     out = tmp / name
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--workloads", workloads, "--methods", "dualkv",
+    cmd = [sys.executable, str(v.root / "tools" / "bench_attention.py"), "--workloads", workloads, "--methods", "dualkv",
            "--out", str(out)]
     if sustained:
         cmd += ["--sustained", str(sustained)]
-    subprocess.run(cmd, env=variant_env(folder), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, env=variant_env(v), cwd=v.root, check=True, stdout=subprocess.DEVNULL)
     with open(out / ("attention_sustained.csv" if sustained else "attention.csv")) as f:
         return [row for row in csv.DictReader(f)]
 
 
 def run_tests(variants: dict) -> None:
     procs = {name: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                     str(ROOT / "tests" / "test_dualkv_attn_sm90.py")], env=variant_env(folder),
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, folder in variants.items()}
+                                     str(v.root / "tests" / "test_dualkv_attn_sm90.py")], env=variant_env(v),
+                                    cwd=v.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, v in variants.items()}
     for name, proc in procs.items():
         out, _ = proc.communicate()
         print(f"tests with {name}: {out.strip().splitlines()[-1] if out.strip() else proc.returncode}", flush=True)
@@ -107,7 +125,8 @@ def report(rows: list, variants: dict, time_key: str, out: str) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", required=True, help="name=csrc_folder,... (two or more, or one with --test)")
+    parser.add_argument("--variants", required=True,
+                        help="name=folder,...: csrc folders, or whole checkouts (two or more, or one with --test)")
     parser.add_argument("--workloads", default="d128-16x8192x1024", help="bench_attention.py workload names")
     parser.add_argument("--rounds", type=int, default=2, help="0: build (and --test) only")
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
@@ -124,8 +143,8 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for name, folder in variants.items():
-                for row in bench_round(name, folder, args.workloads, args.sustained, Path(tmp) / f"round{r}"):
+            for name, v in variants.items():
+                for row in bench_round(name, v, args.workloads, args.sustained, Path(tmp) / f"round{r}"):
                     if row.get("error"):
                         raise SystemExit(f"variant {name!r} failed on {row['workload']}: {row['error']}")
                     rows.append({"round": r, "variant": name, **row})
