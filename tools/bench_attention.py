@@ -295,18 +295,29 @@ class GpuSampler:
         return samples
 
 
+def fresh_fwd_bwd(method: str, w: Workload):
+    """One method's forward+backward on one workload's inputs, as a call that drops the last call's
+    gradients first (so that none accumulate)."""
+    _, fn, leaves, dout = prepared(method, w)
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        fn().backward(dout)
+
+    return fwd_bwd
+
+
 def profile_calls(method: str, w: Workload, calls: int = 10) -> None:
     """Kernel time per forward+backward call, and the GPU's idle time per call between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    _, fn, leaves, dout = prepared(method, w)
+    fwd_bwd = fresh_fwd_bwd(method, w)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")  # as triton.testing.do_bench
 
     def call():
-        for x in leaves:
-            x.grad = None
         flush.zero_()
-        fn().backward(dout)
+        fwd_bwd()
 
     for _ in range(3):
         call()
@@ -328,12 +339,7 @@ def profile_calls(method: str, w: Workload, calls: int = 10) -> None:
 def sustained(method: str, w: Workload, seconds: float):
     """Forward+backward back to back for ``seconds``; the last two thirds are timed, so that the
     clock has settled. Returns the row and that window (start, end) as ``datetime``s."""
-    _, fn, leaves, dout = prepared(method, w)
-
-    def fwd_bwd():
-        for x in leaves:
-            x.grad = None
-        fn().backward(dout)
+    fwd_bwd = fresh_fwd_bwd(method, w)
 
     def loop_until(deadline):
         # the host stays at most two iterations ahead: the GPU never idles, and the host's clock
