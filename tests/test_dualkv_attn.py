@@ -66,6 +66,27 @@ def test_many_groups_with_p1_and_r1_and_split_key_tiles():
         assert_matches(got, want)
 
 
+def test_split_tiles_reduce_in_row_slices():
+    """The chunk partials of split key tiles, summed with each tile's rows spread over several
+    programs (``ROWS`` below the tile): every row gets its own slots' sum, in slot order, and rows
+    past a tile's end are left alone."""
+    hkv, d, block_n, rows = 2, 32, 16, 4
+    reduce = torch.tensor([(0, 16, 0, 3), (16, 29, 3, 2)], dtype=torch.int32)  # the second tile ends at 29
+    g = torch.Generator().manual_seed(0)
+    partial_dk, partial_dv = (torch.randn(5 * block_n, hkv, d, generator=g) for _ in range(2))
+    dk, dv = (torch.full((32, hkv, d), 7.0) for _ in range(2))
+    kernels._bwd_reduce_kernel[(2 * hkv, block_n // rows)](
+        partial_dk, partial_dv, dk, dv, reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n, ROWS=rows)
+    for out, partial in ((dk, partial_dk), (dv, partial_dv)):
+        for k0, k1, slot0, n in reduce.tolist():
+            expected = partial[slot0 * block_n:(slot0 + 1) * block_n]
+            for s in range(slot0 + 1, slot0 + n):
+                expected = expected + partial[s * block_n:(s + 1) * block_n]
+            assert torch.equal(out[k0:k1], expected[:k1 - k0])
+        assert torch.equal(out[29:], torch.full((3, hkv, d), 7.0))
+
+
 def test_gpu_plans_by_dtype_and_window():
     """The GPU block plans (chosen on the host, so checkable here): windows take their own dK/dV
     blocks where measured (D=256), float32 takes the small blocks its full-float32 dots compile at."""

@@ -486,14 +486,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Q_DESC, DO_DESC, DK, DV, DQ_ACC, LSE, DELTA, P
 @triton.jit
 def _bwd_reduce_kernel(PARTIAL_DK, PARTIAL_DV, DK, DV, REDUCE, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """Sum a key tile's chunk partials in chunk order (fixed order: bitwise reproducible)."""
+                       BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """Sum a key tile's chunk partials in chunk order (fixed order: bitwise reproducible), ROWS of
+    its rows per program (grid axis 1), so that a few dozen split tiles still fill the GPU."""
     hk, row = _program_row(REDUCE, NUM_KV_HEADS, 4)
     k_start, k_end, slot0, n_slots = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    dv = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for s in range(slot0, slot0 + n_slots):
         p_off = _partial_offsets(s, hk, offs_n, offs_d, NUM_KV_HEADS, BLOCK_N, BLOCK_D)
         dk += tl.load(PARTIAL_DK + p_off)
@@ -806,9 +807,10 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
             num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common,
         )
     if kv_reduce.shape[0]:
-        _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv,)](
+        rows = min(kv_cfg.block_n, max(4, 2048 // BLOCK_D))  # 16 x 128 fp32 dK and dV per program at D = 128
+        _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv, kv_cfg.block_n // rows)](
             partial_dk, partial_dv, dk, dv, kv_reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=kv_cfg.block_n,
+            NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=kv_cfg.block_n, ROWS=rows,
         )
     if native:  # the native pass scales dS, so dq_acc holds dQ
         dq = dq_in_head_dim_order(dq_acc, q.dtype)
