@@ -16,8 +16,7 @@
 //     at the end O /= l and lse = m + log2 l, as the Triton forward stores it.
 // m need not be the running max, only within RESCALE_LOG2 below it, so that P <= 2^8 cannot
 // overflow: a warp keeps its rows' m until one of them would grow by more than that, and most
-// blocks skip the rescale of O (O / l and lse are the same). At D = 512 finish_block still
-// rescales every block (by alpha = 1 where m stayed).
+// blocks skip the rescale of O (O / l and lse are the same).
 // The consumer warpgroups take turns issuing their matmuls (ping-pong, see the main loop), so that
 // one's softmax overlaps the other's matmuls on the tensor cores. O takes 128 registers per thread
 // at D = 256 and 512, hence the smaller key blocks there.
@@ -286,7 +285,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // in which other instructions touch an accumulator of one (its warning C7514). The last block
     // is peeled off the loop: with the next block's S issued under a condition, ptxas did that.
     const auto finish_block = [&](int b) {  // P V of block b, once S of block b + 1 (if any) is done
-      rescale_o();
+      if (rescale) rescale_o();
       mbar_wait(&s.v_full[b % STAGES], (b / STAGES) & 1);
       issue_pv(b);
     };
