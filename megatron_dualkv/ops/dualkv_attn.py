@@ -252,7 +252,7 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta[h, t] = do[t, h] . o[t, h], the softmax-gradient row term. Heads vary fastest over the
     programs, so those running at once read whole (rows, Hq, D) stretches of o and do: 12% faster
-    than one head's rows at a time (PERF_NOTES.md, run CV)."""
+    than one head's rows at a time in run CV's micro-benchmark (PERF_NOTES.md)."""
     h = tl.program_id(0) % NUM_HEADS
     rows = (tl.program_id(0) // NUM_HEADS) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -809,7 +809,8 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
             num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages, **common,
         )
     if kv_reduce.shape[0]:
-        rows = min(kv_cfg.block_n, max(4, 2048 // BLOCK_D))  # 16 x 128 fp32 dK and dV per program at D = 128
+        # 16 x 128 fp32 dK and dV per program at D = 128; powers of two, so the slices tile block_n
+        rows = min(kv_cfg.block_n, max(4, 2048 // BLOCK_D))
         _bwd_reduce_kernel[(kv_reduce.shape[0] * Hkv, kv_cfg.block_n // rows)](
             partial_dk, partial_dv, dk, dv, kv_reduce, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             NUM_KV_HEADS=Hkv, HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_N=kv_cfg.block_n, ROWS=rows,
