@@ -7,7 +7,7 @@ submodule is swapped, through ``ModuleSpec`` copies, never by patching Megatron.
 
 * ``dualkv_local_block_spec``: torch-native modules (ColumnParallelLinear, torch RMSNorm,
   SequentialMLP experts as ``GroupedMMExperts``, or legacy GroupedMLP when the grouped_gemm
-  package is installed);
+  package is installed; MoE layers as ``GatheredPermutationMoELayer``);
   runs on CPU and GPU. Its torch norms are ``SequenceParallelTorchNorm`` (``mcore.norms``), so it
   also runs under sequence parallelism.
 * ``dualkv_te_block_spec``: Transformer Engine linears and norms (LayerNorm fused into the QKV
@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import DualKVAttention
 from .experts import with_grouped_mm_experts
+from .moe_layer import with_gathered_permutation
 from .norms import with_sequence_parallel_torch_norms
 
 
@@ -43,7 +44,7 @@ def dualkv_local_block_spec(config: TransformerConfig, vp_stage: Optional[int] =
     # Megatron's local block picks apex FusedLayerNorm for the final norm whenever apex imports,
     # and FusedLayerNorm rejects RMSNorm; the torch norm follows config.normalization.
     block = replace(block, layer_norm=WrappedTorchNorm)
-    block = replace(block, layer_specs=[_layer_with_grouped_mm_experts(spec) for spec in block.layer_specs])
+    block = replace(block, layer_specs=[_layer_with_local_moe(spec) for spec in block.layer_specs])
     return _with_dualkv_attention(with_sequence_parallel_torch_norms(block))
 
 
@@ -58,8 +59,9 @@ def _with_dualkv_attention(block: TransformerBlockSubmodules) -> TransformerBloc
     return replace(block, layer_specs=[_layer_with_dualkv_attention(spec) for spec in block.layer_specs])
 
 
-def _layer_with_grouped_mm_experts(layer: ModuleSpec) -> ModuleSpec:
-    return replace(layer, submodules=replace(layer.submodules, mlp=with_grouped_mm_experts(layer.submodules.mlp)))
+def _layer_with_local_moe(layer: ModuleSpec) -> ModuleSpec:
+    mlp = with_gathered_permutation(with_grouped_mm_experts(layer.submodules.mlp))
+    return replace(layer, submodules=replace(layer.submodules, mlp=mlp))
 
 
 def _layer_with_dualkv_attention(layer: ModuleSpec) -> ModuleSpec:
