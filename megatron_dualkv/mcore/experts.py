@@ -18,16 +18,15 @@ model), the call stacks them as before.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .glu import plain_gated_linear_unit
+from .spec_entries import module_of, submodules_of, with_module, with_submodules
 
 
 def store_back_to_back(weights: List[torch.Tensor]) -> None:
@@ -130,27 +129,10 @@ class GroupedMMExperts(SequentialMLP):
         return grouped_linear(hidden, ends, self.expert_weights("linear_fc2")), None
 
 
-# Megatron-Core 0.16 writes a spec entry as a ModuleSpec, 0.17+ as functools.partial(module, submodules=...)
-def _module_of(spec):
-    return spec.module if isinstance(spec, ModuleSpec) else getattr(spec, "func", None)
-
-
-def _with_module(spec, module):
-    if isinstance(spec, ModuleSpec):
-        return replace(spec, module=module)
-    return functools.partial(module, *spec.args, **spec.keywords)
-
-
-def _with_submodules(spec, submodules):
-    if isinstance(spec, ModuleSpec):
-        return replace(spec, submodules=submodules)
-    return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
-
-
 def with_grouped_mm_experts(mlp):
     """A layer's ``mlp`` spec entry with ``GroupedMMExperts`` for ``SequentialMLP`` experts; others unchanged."""
-    submodules = mlp.submodules if isinstance(mlp, ModuleSpec) else getattr(mlp, "keywords", {}).get("submodules")
+    submodules = submodules_of(mlp)
     experts = getattr(submodules, "experts", None)
-    if _module_of(experts) is not SequentialMLP:
+    if module_of(experts) is not SequentialMLP:
         return mlp
-    return _with_submodules(mlp, replace(submodules, experts=_with_module(experts, GroupedMMExperts)))
+    return with_submodules(mlp, replace(submodules, experts=with_module(experts, GroupedMMExperts)))

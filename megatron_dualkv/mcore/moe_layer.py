@@ -21,7 +21,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .experts import _module_of, _with_module
+from .spec_entries import module_of, with_module
 
 
 class _PermutedWithGatheredGrad(torch.autograd.Function):
@@ -77,6 +77,6 @@ class GatheredPermutationMoELayer(MoELayer):
 def with_gathered_permutation(mlp):
     """A layer's ``mlp`` spec entry with ``GatheredPermutationMoELayer`` for ``MoELayer``; others,
     and 0.16's ``ModuleSpec`` entries (module docstring), unchanged."""
-    if isinstance(mlp, ModuleSpec) or _module_of(mlp) is not MoELayer:
+    if isinstance(mlp, ModuleSpec) or module_of(mlp) is not MoELayer:
         return mlp
-    return _with_module(mlp, GatheredPermutationMoELayer)
+    return with_module(mlp, GatheredPermutationMoELayer)
