@@ -21,6 +21,7 @@ def test_kernels_compile_for_hopper():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sm_90" in result.stdout and "FAILED" not in result.stdout
     assert result.stdout.count("ok ") == 5  # four attention variants, the elementwise ops
+    assert "row_gather_sum bf16 (5 kernels" in result.stdout  # each direction of rms_norm and geglu, row_gather_sum
 
 
 def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):
@@ -37,4 +38,4 @@ def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):
     result = check("--head-dims", "64", "--dtypes", "bf16",
                    env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert result.returncode == 1
-    assert "FAILED rms_norm, geglu bf16: CompilationError" in result.stdout
+    assert "FAILED rms_norm, geglu, row_gather_sum bf16: CompilationError" in result.stdout

@@ -42,6 +42,7 @@ from megatron_dualkv import DualKVLayout  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func  # noqa: E402
+from megatron_dualkv.ops import row_gather_sum as row_gather  # noqa: E402
 
 HEAD_DIMS = (64, 96, 128, 192, 256, 512)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -95,6 +96,7 @@ def compile_instead_of_launch(arch: int) -> list:
     kernels.kernel_config = lambda name, head_dim, device, dtype=torch.bfloat16: choose_config(
         name, head_dim, torch.device("cuda"), dtype)
     kernels._has_tma = lambda device: arch >= 90
+    row_gather.triton_available = lambda device: True
     return compiled
 
 
@@ -112,6 +114,7 @@ def elementwise_cases(dtype: torch.dtype):
     rms_norm_func(x, weight, 1e-6).float().sum().backward()
     rms_norm_func(x, None, 1e-6, True).float().sum().backward()
     geglu_func(torch.randn(5, 2 * 300, dtype=dtype, requires_grad=True)).float().sum().backward()
+    row_gather.row_gather_sum(torch.randn(5 * 8, 1100, dtype=dtype), torch.randperm(5 * 8), 8)
 
 
 def cases(head_dims, dtypes):
@@ -122,7 +125,7 @@ def cases(head_dims, dtypes):
                 f" softcap={softcap}" if softcap else "") + (" deterministic" if deterministic else "")
             yield label, lambda d=d, dt=dtype, w=window, s=softcap, det=deterministic: attention_case(d, dt, w, s, det)
     for name, dtype in dtypes.items():
-        yield f"rms_norm, geglu {name}", lambda dt=dtype: elementwise_cases(dt)
+        yield f"rms_norm, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
 
 
 def main():
