@@ -12,27 +12,27 @@
 // (with their lse and delta rows) into a 2-stage ring and of dO blocks into a single stage (K and V
 // take 64 KB, a Q or dO block 32 KB). Warpgroups 1 and 2 own columns [128 w, 128 w + 128) of the
 // CTA's dK, dV and dQ.
-// Both compute the whole 64 x 64 S^T and dP^T over the CTA's columns (a 256-column head leaves no
-// registers for a 128-key tile split by keys, as at head dim 128), so that neither waits for the
-// other:
-//     S^T  = K Q^T,  dP^T = V dO^T                 (64 x 64 over 256 columns, from shared memory)
-//     at D = 512: + the other CTA's partial S^T, dP^T over its 256 columns (below)
+// Both need the whole 64 x 64 S^T and dP^T (a 256-column head leaves no registers for a 128-key
+// tile split by keys, as at head dim 128). Warpgroup 0 computes S^T, warpgroup 1 dP^T, and they
+// share them through shared memory (share_scores), so that no matmul runs twice:
+//     S^T  = K Q^T (warpgroup 0),  dP^T = V dO^T (1)   (64 x 64 over 256 columns, from shared memory)
+//     at D = 512: + the other CTA's partial over its 256 columns (below)
 //     P^T  = 2^(S^T * scale_log2 - lse)            masked to 0 where invisible
 //     dS^T = scale * P^T * (dP^T - delta)
 //     dV_w += P^T dO_w,  dK_w += dS^T Q_w          (P^T, dS^T in registers as the A operands)
 //     dS^T -> this warpgroup's shared buffer; dQ_w = dS K_w (64 x 128, two 64-column halves)
 //     staged in shared memory and added to the fp32 (T, Hq, D) buffer by TMA bulk reductions.
-// That is 7.3 MFLOP per warpgroup per step for 10.5 useful per CTA: S^T and dP^T run twice.
+// That is 5.2 MFLOP per warpgroup per step, 10.5 per CTA: every product once. (Both warpgroups
+// computed S^T and dP^T before, 7.3 MFLOP each: PERF_NOTES.md, run DH.)
 //
 // Why a cluster at D = 512: dK and dV of 64 keys x 512 columns (256 KB of fp32) do not fit one
 // SM's registers, and 32-key tiles would double the dQ reductions per FLOP, which already run
 // near what the copy engine sustains (PERF_NOTES.md, session 6, run AF). The pair exchanges
 // partial scores instead, through each other's shared memory (st.async, completing on the
-// receiver's barrier): S^T as soon as it is done, so that the exchange overlaps the dP^T matmul,
-// and dP^T behind the dV matmul. Each warpgroup sends half of each (both hold them whole). Both
+// receiver's barrier): each warpgroup sends its product to its counterpart in the other CTA. Both
 // CTAs add in the same order (a + b == b + a in fp32), so both see identical P and dS. The
 // partials land in the dQ staging boxes, which are free from the end of one step (the copy engine
-// has read them) until the dP^T partial has been read in the next.
+// has read them) until both warpgroups have read the scores in the next.
 #include "dualkv_bwd_sm90.cuh"
 
 namespace dualkv_sm90 {
@@ -56,8 +56,9 @@ struct alignas(1024) SharedStorage {
   uint8_t ds[2][BLOCK_N * ROW_BYTES];     // dS^T (key, query), one per warpgroup
   union {
     uint8_t dq[2][2][BLOCK_M * ROW_BYTES];  // per warpgroup, two (64 queries, 32 fp32) swizzled boxes
-    // at SPLIT 2, the other CTA's partial S^T (which = 0) and dP^T (1): float4 j of consumer
-    // thread t at (which * 8 + j) * 128 + t, so that a warp's loads hit consecutive banks
+    // a step's S^T (which = 0) and dP^T (1), and at SPLIT 2 first the other CTA's partials of
+    // them: float4 j of consumer thread t at (which * 8 + j) * 128 + t, so that a warp's accesses
+    // hit consecutive banks
     float4 recv[2 * 8 * 128];
   };
   float lse[Q_STAGES][BLOCK_M];
@@ -67,37 +68,51 @@ struct alignas(1024) SharedStorage {
   uint64_t q_empty[Q_STAGES];
   uint64_t do_full;
   uint64_t do_empty;
-  uint64_t recv_full[2];  // the other CTA's partial S^T (0) or dP^T (1) of this step has landed
+  uint64_t recv_full[2];  // the other CTA's partial S^T (0) or dP^T (1) of this step has landed (SPLIT 2)
   uint64_t send_ok;       // the other CTA's dQ boxes are free: it has read the last partials sent
 };
 
-// Add the other CTA's partial S^T (which = 0) or dP^T (1) over its columns to x, in the consumer
-// warpgroup wg. Each warpgroup sends float4s [4 wg, 4 wg + 4) of its x; S^T waits until the other
-// CTA's dQ boxes are free again (the end of its previous step). (A function, not a lambda: called
-// twice, a lambda was not inlined and x went to local memory.)
-template <typename Smem>
-__device__ __forceinline__ void add_peer_partial(float (&x)[32], int which, Smem& s, int rank, int wg, int step,
-                                                 int steps) {
+// This warpgroup's product x of a step (S^T at warpgroup 0, dP^T at 1, over the CTA's columns),
+// made whole and shared: at SPLIT 2 the other CTA's partial over its columns is added first (its
+// counterpart warpgroup sends it), then each warpgroup publishes its scores in recv[wg] and both
+// read S^T into sc and dP^T into dp. recv[wg] lies on the warpgroup's own dQ boxes. (A function,
+// not a lambda: called with register arrays, a lambda was not always inlined and they went to
+// local memory.)
+template <int SPLIT, typename Smem>
+__device__ __forceinline__ void share_scores(float (&x)[32], float (&sc)[32], float (&dp)[32], Smem& s, int rank,
+                                             int wg, int step, int steps) {
   const int t = threadIdx.x % 128;
-  const uint32_t peer = rank ^ 1;
-  if (which == 0 && step > 0) mbar_wait<true>(&s.send_ok, (step - 1) & 1);
-  const uint32_t peer_bar = peer_shared(&s.recv_full[which], peer);
+  float4* mine = s.recv + wg * 8 * 128 + t;
+  if constexpr (SPLIT > 1) {
+    const uint32_t peer = rank ^ 1;
+    if (step > 0) mbar_wait<true>(&s.send_ok, (step - 1) & 1);  // the other CTA's boxes were read
+    const uint32_t peer_bar = peer_shared(&s.recv_full[wg], peer);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {  // x indexed by constants only: a register array stays in registers
-    if (j / 4 == wg)
-      st_async_v4(peer_shared(&s.recv[(which * 8 + j) * 128 + t], peer), x[4 * j], x[4 * j + 1], x[4 * j + 2],
-                  x[4 * j + 3], peer_bar);
+    for (int j = 0; j < 8; ++j)  // x indexed by constants only: a register array stays in registers
+      st_async_v4(peer_shared(mine + j * 128, peer), x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3], peer_bar);
+    mbar_wait(&s.recv_full[wg], step & 1);
+    // arm the next step's phase before the other CTA may send into it (send_ok, at the end of this
+    // step), so that its bytes never land ahead of the expectation
+    if (t == 0 && step + 1 < steps) mbar_arrive_expect_tx(&s.recv_full[wg], RECV_BYTES);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float4 r = mine[j * 128];
+      x[4 * j] += r.x, x[4 * j + 1] += r.y, x[4 * j + 2] += r.z, x[4 * j + 3] += r.w;
+    }
+  } else {
+    if (t == 0) bulk_wait_read();  // the copy engine has read this warpgroup's dQ boxes
+    warpgroup_sync(wg);
   }
-  mbar_wait(&s.recv_full[which], step & 1);
-  // arm the next step's phase before the other CTA may send into it (send_ok, at the end of this
-  // step), so that its bytes never land ahead of the expectation
-  if (threadIdx.x == 128 && step + 1 < steps) mbar_arrive_expect_tx(&s.recv_full[which], RECV_BYTES);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) mine[j * 128] = make_float4(x[4 * j], x[4 * j + 1], x[4 * j + 2], x[4 * j + 3]);
+  consumers_sync();
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const float4 r = s.recv[(which * 8 + j) * 128 + t];
-    x[4 * j] += r.x, x[4 * j + 1] += r.y, x[4 * j + 2] += r.z, x[4 * j + 3] += r.w;
+    const float4 a = s.recv[j * 128 + t], b = s.recv[(8 + j) * 128 + t];
+    sc[4 * j] = a.x, sc[4 * j + 1] = a.y, sc[4 * j + 2] = a.z, sc[4 * j + 3] = a.w;
+    dp[4 * j] = b.x, dp[4 * j + 1] = b.y, dp[4 * j + 2] = b.z, dp[4 * j + 3] = b.w;
   }
-  if (which == 1) consumers_sync();  // both warpgroups have read the partials: the dQ boxes are free
+  consumers_sync();  // both warpgroups have read the scores: the dQ boxes are free
 }
 
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
@@ -127,7 +142,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     mbar_init(&s.do_full, 1);
     mbar_init(&s.do_empty, CONSUMER_WARPS);
-    for (int i = 0; i < 2; ++i) {  // armed for step 0 (add_peer_partial arms the next ones)
+    for (int i = 0; i < 2; ++i) {  // armed for step 0 (share_scores arms the next ones)
       mbar_init(&s.recv_full[i], 1);
       if (SPLIT > 1) mbar_arrive_expect_tx(&s.recv_full[i], RECV_BYTES);
     }
@@ -186,7 +201,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // fp32 boxes -> bulk reductions. Masked queries have dS = 0, so rows outside [q_lo, q_hi) add
     // exact zeros. At SPLIT 2 the second half goes to the step's Q stage instead of waiting for the
     // copy engine to read the first half: panels 2 wg and 2 wg + 1 (one box each), which only this
-    // warpgroup's dK matmul read after both warpgroups' S^T (done: add_peer_partial's
+    // warpgroup's dK matmul read after warpgroup 0's S^T (done: share_scores' first
     // consumers_sync). The stage is released to the producer once the copy engine has read them, at
     // the top of the next step (q_empty then counts the two dQ issuers).
     const auto add_dq = [&](const float (&dq)[32], int half, int h, int q0, int st) {
@@ -215,14 +230,18 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_arrive(&s.q_empty[(step - 1) % Q_STAGES]);
       }
 
-      // S^T = K Q^T and dP^T = V dO^T over the CTA's 256 columns: A and B both K-major
+      // S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (1) over the CTA's 256 columns: A and B both
+      // K-major; then both warpgroups hold both
       float sc[32], dp[32];
-      wgmma_fence();
-      mma_ss_head_dim<T, COLS>(sc, s.k[0], sizeof(s.k[0]), s.q[st][0], sizeof(s.q[st][0]));
-      mma_ss_head_dim<T, COLS>(dp, s.v[0], sizeof(s.v[0]), s.dout[0], sizeof(s.dout[0]));
-      wgmma_wait<1>();  // S^T
-      fence_regs(sc);
-      if constexpr (SPLIT > 1) add_peer_partial(sc, 0, s, rank, wg, step, steps);
+      {
+        float x[32];
+        wgmma_fence();
+        mma_ss_head_dim<T, COLS>(x, wg ? s.v[0] : s.k[0], sizeof(s.k[0]), wg ? s.dout[0] : s.q[st][0],
+                                 sizeof(s.q[st][0]));
+        wgmma_wait<0>();
+        fence_regs(x);
+        share_scores<SPLIT>(x, sc, dp, s, rank, wg, step, steps);
+      }
 
       // P^T: keys are rows, queries columns; a key past the tile, a query past the range, a query
       // before the key (packed order) or, with a window, too far after it is invisible
@@ -247,11 +266,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       pack_fragments<T>(sc, pa);
       mma_rs<T, BLOCK_M / 16>(dv, pa, s.dout[2 * wg], sizeof(s.dout[0]));
 
-      wgmma_wait<1>();  // dP^T (dV may still run)
-      fence_regs(dp);
-      if constexpr (SPLIT > 1) add_peer_partial(dp, 1, s, rank, wg, step, steps);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < 8; ++i) {  // (while dV runs)
         const float2 delta = *reinterpret_cast<const float2*>(&s.delta[st][8 * i + 2 * c]);
 #pragma unroll
         for (int e = 0; e < 4; ++e)
