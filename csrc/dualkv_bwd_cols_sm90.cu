@@ -13,9 +13,9 @@
 // take 64 KB, a Q or dO block 32 KB). Warpgroups 1 and 2 own columns [128 w, 128 w + 128) of the
 // CTA's dK, dV and dQ.
 // Both need the whole 64 x 64 S^T and dP^T (a 256-column head leaves no registers for a 128-key
-// tile split by keys, as at head dim 128). Warpgroup 0 computes S^T, warpgroup 1 dP^T, and they
-// share them through shared memory (share_scores), so that no matmul runs twice:
-//     S^T  = K Q^T (warpgroup 0),  dP^T = V dO^T (1)   (64 x 64 over 256 columns, from shared memory)
+// tile split by keys, as at head dim 128). The first (wg 0) computes S^T, the second (wg 1) dP^T,
+// and they share them through shared memory (share_scores), so that no matmul runs twice:
+//     S^T  = K Q^T (wg 0),  dP^T = V dO^T (wg 1)   (64 x 64 over 256 columns, from shared memory)
 //     at D = 512: + the other CTA's partial over its 256 columns (below)
 //     P^T  = 2^(S^T * scale_log2 - lse)            masked to 0 where invisible
 //     dS^T = scale * P^T * (dP^T - delta)
@@ -72,7 +72,7 @@ struct alignas(1024) SharedStorage {
   uint64_t send_ok;       // the other CTA's dQ boxes are free: it has read the last partials sent
 };
 
-// This warpgroup's product x of a step (S^T at warpgroup 0, dP^T at 1, over the CTA's columns),
+// This warpgroup's product x of a step (S^T at wg 0, dP^T at wg 1, over the CTA's columns),
 // made whole and shared: at SPLIT 2 the other CTA's partial over its columns is added first (its
 // counterpart warpgroup sends it), then each warpgroup publishes its scores in recv[wg] and both
 // read S^T into sc and dP^T into dp. recv[wg] lies on the warpgroup's own dQ boxes. (A function,
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // fp32 boxes -> bulk reductions. Masked queries have dS = 0, so rows outside [q_lo, q_hi) add
     // exact zeros. At SPLIT 2 the second half goes to the step's Q stage instead of waiting for the
     // copy engine to read the first half: panels 2 wg and 2 wg + 1 (one box each), which only this
-    // warpgroup's dK matmul read after warpgroup 0's S^T (done: share_scores' first
+    // warpgroup's dK matmul read after wg 0's S^T (done: share_scores' first
     // consumers_sync). The stage is released to the producer once the copy engine has read them, at
     // the top of the next step (q_empty then counts the two dQ issuers).
     const auto add_dq = [&](const float (&dq)[32], int half, int h, int q0, int st) {
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_arrive(&s.q_empty[(step - 1) % Q_STAGES]);
       }
 
-      // S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (1) over the CTA's 256 columns: A and B both
+      // S^T = K Q^T (wg 0) or dP^T = V dO^T (wg 1) over the CTA's 256 columns: A and B both
       // K-major; then both warpgroups hold both
       float sc[32], dp[32];
       {
