@@ -206,7 +206,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     // the top of the next step (q_empty then counts the two dQ issuers).
     const auto add_dq = [&](const float (&dq)[32], int half, int h, int q0, int st) {
       uint8_t (*boxes)[BLOCK_M * ROW_BYTES] = SPLIT > 1 && half ? s.q[st] + 2 * wg : s.dq[wg];
-      if (dq_issuer && (SPLIT == 1 || !half)) bulk_wait_read();  // the boxes' previous contents were read
+      // half 0's boxes hold the scores, written once the copy engine had read them (share_scores); at
+      // SPLIT 1 half 1 reuses them, so it waits for half 0's reads
+      if (dq_issuer && SPLIT == 1 && half) bulk_wait_read();
       warpgroup_sync(wg);  // (for half 1: every warp's slice of the dK matmul has read the Q panels)
       stage_dq(dq, boxes);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
