@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from flash_check import DEVICE
 from megatron_dualkv import dualkv_attn_func
 from megatron_dualkv.mcore import DualKVAttention, DualKVPackedSeqParams, ParallelSizes, initialize_parallel_state
+from megatron_dualkv.mcore.attention import replicated_attention
 from megatron_dualkv.mcore.cpu_compat import enable_cpu_compat
 from rollouts import make_batch
 
@@ -88,18 +89,50 @@ def test_softcap_from_a_config_that_defines_one():
     torch.testing.assert_close(out, dualkv_attn_func(q, k, v, batch.layout, softcap=2.0).flatten(1))
 
 
+def sbhd_inputs(seed=1, s=9, b=3, hq=4, hkv=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    # where Megatron's attention takes its score buffer (the current CUDA device when there is one)
+    q = torch.randn(s, b, hq, d, generator=g).to(DEVICE)
+    k, v = torch.randn(2, s, b, hkv, d, generator=g).to(DEVICE)
+    return q, k, v
+
+
+def megatron_attention(cfg, q, k, v, softmax_scale=None):
+    module = DotProductAttention(cfg, 1, AttnMaskType.causal, "self", softmax_scale=softmax_scale,
+                                 pg_collection=SimpleNamespace(tp=FakeGroup(1)))
+    return module(q, k, v, None)
+
+
 @pytest.mark.parametrize("window", [None, (2, 0)])
 def test_without_packed_params_it_is_megatrons_causal_attention(window):
-    """The replicated baseline path: [s, b, h, d] through DotProductAttention, untouched."""
+    """The replicated baseline path, [s, b, h, d]: Megatron's DotProductAttention on the CPU, a fused
+    kernel (replicated_attention) on a GPU."""
     cfg = config(window_size=window)
-    g = torch.Generator().manual_seed(1)
-    # where Megatron's attention takes its score buffer (the current CUDA device when there is one)
-    q = torch.randn(9, 3, 4, 16, generator=g).to(DEVICE)
-    k, v = torch.randn(2, 9, 3, 2, 16, generator=g).to(DEVICE)
-    ours = attention(cfg)(q, k, v, None)
-    theirs = DotProductAttention(cfg, 1, AttnMaskType.causal, "self",
-                                 pg_collection=SimpleNamespace(tp=FakeGroup(1)))(q, k, v, None)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    q, k, v = sbhd_inputs()
+    ours, theirs = attention(cfg)(q, k, v, None), megatron_attention(cfg, q, k, v)
+    exact = dict(rtol=0, atol=0) if DEVICE == "cpu" else {}
+    torch.testing.assert_close(ours, theirs, **exact)
+
+
+@pytest.mark.parametrize("window, scale", [(None, None), (None, 0.3), (3, None), (1, 0.5)])
+def test_replicated_attention_equals_megatrons(window, scale):
+    """The fused path (SDPA, or FlexAttention for a window) against Megatron's own attention, here on
+    the CPU: GQA, an explicit scale, windows down to the token itself."""
+    cfg = config(window_size=None if window is None else (window - 1, 0))
+    q, k, v = (t.cpu() for t in sbhd_inputs(seed=2, s=11))
+    got = replicated_attention(q, k, v, scale or 16**-0.5, window)
+    torch.testing.assert_close(got, megatron_attention(cfg, q, k, v, scale).cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_replicated_attention_softcap_against_float64():
+    q, k, v = (t.cpu().double() for t in sbhd_inputs(seed=3, s=7, b=2))
+    scale, cap = 0.25, 1.5
+    got = replicated_attention(*(t.float() for t in (q, k, v)), scale, softcap=cap)
+    qh, kh, vh = q.permute(1, 2, 0, 3), *(t.permute(1, 2, 0, 3).repeat_interleave(2, 1) for t in (k, v))
+    scores = cap * torch.tanh(qh @ kh.transpose(-1, -2) * scale / cap)
+    scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    want = (scores.softmax(-1) @ vh).permute(2, 0, 1, 3).reshape(7, 2, -1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_input():

@@ -3,9 +3,11 @@
 A drop-in for ``DotProductAttention`` in a layer spec (same constructor and forward contract).
 With ``packed_seq_params`` a ``DualKVPackedSeqParams`` (thd: q/k/v ``[t, heads, dim]``) it runs
 ``megatron_dualkv.dualkv_attn_func`` on the layout the params carry and returns ``[t, heads*dim]``.
-Without ``packed_seq_params`` (sbhd: ``[s, b, heads, dim]``, a padded batch of plain sequences)
-it is Megatron's own ``DotProductAttention`` (causal): the same model then runs the standard
-replicated layout, which is the baseline and the equivalence oracle.
+Without ``packed_seq_params`` (sbhd: ``[s, b, heads, dim]``, a right-padded batch of plain
+sequences) the same model runs the standard replicated layout, the baseline and the equivalence
+oracle: on a GPU with a fused kernel (``replicated_attention``: PyTorch SDPA, or FlexAttention for a
+window or softcap), elsewhere with Megatron's own ``DotProductAttention`` (causal), whose dense
+``[b, heads, s, s]`` scores only fit short sequences.
 
 Under context parallelism (the params' ``cp_group``, set by ``DualKVGPTModel``) q/k/v hold this
 rank's slice of the packed tokens, and attention runs as Ulysses (``mcore.context_parallel``).
@@ -13,8 +15,11 @@ rank's slice of the packed tokens, and attention runs as Ulysses (``mcore.contex
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional
 
+import torch
+import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -84,6 +89,9 @@ class DualKVAttention(DotProductAttention):
                     f"DualKVAttention got a {query.dim()}-D query without packed_seq_params: packed (thd) input "
                     "needs DualKVPackedSeqParams.from_layout(layout), which carries the DualKVLayout"
                 )
+            if query.is_cuda:
+                return replicated_attention(query, key, value, self.dualkv_softmax_scale, self.dualkv_window,
+                                            self.dualkv_softcap)
             return super().forward(query, key, value, attention_mask, attn_mask_type)
         layout = getattr(packed_seq_params, "layout", None)
         if layout is None:
@@ -120,6 +128,57 @@ class DualKVAttention(DotProductAttention):
             return ulysses_attention(query, key, value, packed_seq_params.cp_group, attend)
         out = attend(query, key, value)
         return out.reshape(out.shape[0], -1)
+
+
+def replicated_attention(
+    query: Tensor, key: Tensor, value: Tensor, softmax_scale: float, window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> Tensor:
+    """Causal attention over a right-padded batch of plain sequences, with a fused kernel.
+
+    query ``[s, b, hq, d]``, key/value ``[s, b, hkv, d]`` (GQA: hq a multiple of hkv) -> ``[s, b, hq * d]``.
+    Keys are visible iff ``k <= q`` and ``q - k < window`` (window optional); softcap: scores become
+    ``c * tanh(x / c)``. Right padding needs no mask: a real token never attends to the padding after it.
+    Plain causal attention runs PyTorch SDPA, whose dispatcher takes the first fused backend (flash, cuDNN,
+    memory-efficient) that accepts the inputs; a window or a softcap, which SDPA's fused backends cannot
+    express, runs FlexAttention (compiled on GPU).
+    """
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    gqa = q.shape[1] != k.shape[1]
+    if window is None and softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
+    else:
+        block_mask = _causal_block_mask(q.shape[2], window, q.device)
+        score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
+        out = _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale,
+                                         enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+@lru_cache(maxsize=2)
+def _flex_attention(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Uncompiled FlexAttention materialises the scores: only for the CPU tests of this path.
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+@lru_cache(maxsize=16)
+def _causal_block_mask(seq_len: int, window: Optional[int], device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal_in_window(b, h, q_idx, kv_idx):
+        visible = kv_idx <= q_idx
+        return visible if window is None else visible & (q_idx - kv_idx < window)
+
+    return create_block_mask(causal_in_window, None, None, seq_len, seq_len, device=device)
+
+
+def _softcap_score_mod(softcap: float):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
 
 
 def _check_supported(config: TransformerConfig, attn_mask_type, attention_dropout, tp_size: int) -> None:
