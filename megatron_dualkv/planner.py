@@ -60,16 +60,18 @@ DEFAULT_ATTENTION_WEIGHT = 2.0**-14
 @dataclass(frozen=True)
 class CostModel:
     """Forward FLOPs of a model on a packed layout: ``token_flops`` per token plus ``pair_flops``
-    per attention (query, key) pair (both summed over layers).
+    per attention (query, key) pair (both summed over layers); ``output_flops`` of ``token_flops`` are
+    the output layer's, which runs only on the rows that predict a trained token.
 
     Counted: the matmuls (QKV and output projections, MLP or routed and shared experts with the
-    router, the output layer over every token) and attention's two matmuls, 4 * heads * head_dim
-    per pair; not counted: norms, RoPE, softmax, embeddings lookups. Sliding windows are ignored
-    (full causal pairs). A training step (forward + backward) is 3x the forward.
+    router, the output layer) and attention's two matmuls, 4 * heads * head_dim per pair; not
+    counted: norms, RoPE, softmax, embeddings lookups. Sliding windows are ignored (full causal
+    pairs). A training step (forward + backward) is 3x the forward.
     """
 
     token_flops: float
     pair_flops: float
+    output_flops: float = 0.0
 
     @classmethod
     def from_config(cls, config, vocab_size: int) -> "CostModel":
@@ -86,18 +88,26 @@ class CostModel:
         else:
             moe_mlp = 0
         layers = config.num_layers
-        token_flops = layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp + 2 * h * vocab_size
-        return cls(token_flops=float(token_flops), pair_flops=float(layers * 4 * heads * d))
+        output = 2 * h * vocab_size
+        token_flops = layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp + output
+        return cls(token_flops=float(token_flops), pair_flops=float(layers * 4 * heads * d), output_flops=float(output))
 
     @property
     def attention_weight(self) -> float:
         """The planner's weight of an attention pair against a token."""
         return self.pair_flops / self.token_flops
 
-    def layout_flops(self, layout: DualKVLayout) -> float:
-        """Forward FLOPs of the tokens and attention pairs of ``layout``, padding excluded."""
+    def layout_flops(self, layout: DualKVLayout, predicting_rows: Optional[int] = None) -> float:
+        """Forward FLOPs of the tokens and attention pairs of ``layout``, padding excluded, with the
+        output layer on ``predicting_rows`` rows (default: every token)."""
+        tokens = layout.total_tokens - layout.pad_len
+        rows = tokens if predicting_rows is None else predicting_rows
         pairs = layout.attention_pairs() - causal_pairs(layout.pad_len)
-        return self.token_flops * (layout.total_tokens - layout.pad_len) + self.pair_flops * pairs
+        return (self.token_flops - self.output_flops) * tokens + self.output_flops * rows + self.pair_flops * pairs
+
+    def layer_flops(self, layout: DualKVLayout, num_layers: int) -> float:
+        """Forward FLOPs of one (average) decoder layer on ``layout``: what recomputing it costs."""
+        return self.layout_flops(layout, predicting_rows=0) / num_layers
 
 
 def moe_layer_flags(config) -> List[int]:

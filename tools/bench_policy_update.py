@@ -38,57 +38,24 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tools")]
 import grpo_policy_update as policy_update  # noqa: E402
-from bench_attention import sbhd_attention  # noqa: E402
-from megatron_dualkv import RolloutGroup  # noqa: E402
-from megatron_dualkv.mcore import DualKVAttention  # noqa: E402
+from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup  # noqa: E402
+from megatron_dualkv.memory import GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
 from tool_args import comma_names  # noqa: E402
 
 WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
 TINY_WORKLOADS = [(4, 96, 24), (8, 96, 12)]
-# cuDNN on the GPU, as the issue's baseline asks; the CPU dry run has only the math backend.
-SDPA_BACKENDS = {"cuda": [SDPBackend.CUDNN_ATTENTION], "cpu": [SDPBackend.MATH]}
-
-
-class SDPAReplicatedAttention(DualKVAttention):
-    """DualKV attention on packed micro-batches; on the replicated layout's padded ``[s, b]`` batch,
-    PyTorch SDPA (causal) instead of Megatron's unfused ``DotProductAttention``, which would build
-    the full ``[b, heads, s, s]`` score tensor. Right padding needs no mask: a real token never
-    attends to the padding after it."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.dualkv_window is not None or self.dualkv_softcap is not None:
-            raise ValueError("the SDPA baseline runs plain causal attention: no sliding window or softcap")
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-        # GQA: K/V heads repeated, as Megatron's DotProductAttention does
-        return sbhd_attention(query, key, value, self._attend)
-
-    def _attend(self, q, k, v):
-        with sdpa_kernel(SDPA_BACKENDS[q.device.type]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.dualkv_softmax_scale)
-
-
-def use_sdpa_for_replicated(model: torch.nn.Module) -> None:
-    """Give every attention layer of ``model`` an ``SDPAReplicatedAttention`` core (core attention
-    has no parameters; it is built with the arguments Megatron's ``Attention`` gives it)."""
-    for module in model.modules():
-        core = getattr(module, "core_attention", None)
-        if isinstance(core, DualKVAttention):
-            module.core_attention = SDPAReplicatedAttention(
-                config=core.config, layer_number=module.layer_number, attn_mask_type=module.attn_mask_type,
-                attention_type=module.attention_type, softmax_scale=module.config.softmax_scale,
-                pg_collection=module.pg_collection,
-            )
+# --full-depth: whole models, each at its own workloads
+FULL_DEPTH = {
+    "qwen3-4b": [(16, 8192, 1024), (32, 8192, 512), (8, 32768, 1024)],
+    "gemma3-4b": [(16, 8192, 1024), (32, 8192, 512)],
+}
+TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)]}
+CPU_BUDGET_GIB = 8.0  # the dry run's stand-in for the device's memory
 
 
 @dataclass
@@ -109,6 +76,10 @@ class Result:
     peak_gib: float = float("nan")
     speedup: float = float("nan")
     matmul_peak_tflops: float = float("nan")  # of the run that measured this row
+    recompute: str = "none"
+    recompute_layers: int = 0  # fully recomputed layers per stage on top of "selective" (0: none)
+    recompute_flops: float = 0.0  # FLOPs recompute adds, over the layout's useful FLOPs
+    predicted_gib: float = float("nan")  # the memory model's peak for the setting
 
 
 def layer_card(card: str, layers: int, directory: Path) -> Path:
@@ -138,17 +109,21 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def run_steps(policy, group: RolloutGroup, layout: str, max_tokens: int, repeats: int):
+    """A warm-up step (compilation, optimizer state, the fit probe), then ``repeats`` timed ones."""
+    loss_fn = policy_update.LOSSES["grpo"]
+    policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout)
+    return [policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout) for _ in range(repeats)]
+
+
 def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tflops: float, result: Result) -> Result:
     """Largest micro-batch (responses) that fits, then the median step at that size."""
-    loss_fn = policy_update.LOSSES["grpo"]
     n, p, r = result.n, result.p, result.r
     k = n
     while k >= 1:
-        max_tokens = p + k * r  # the planner then cuts the group into sub-groups of k responses
         try:
-            policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout)  # warm-up and fit probe
-            steps = [policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout) for _ in range(repeats)]
-            break
+            # the planner cuts the group into sub-groups of k responses
+            return measured(result, k, run_steps(policy, group, layout, p + k * r, repeats), peak_tflops)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not is_out_of_memory(err):
                 raise
@@ -156,11 +131,15 @@ def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tf
         print(f"  {result.model} {layout} N={n}: {k} responses per micro-batch run out of memory", flush=True)
         free_memory()
         k //= 2
-    else:
-        return result
+    return result
+
+
+def measured(result: Result, k: int, steps, peak_tflops: float) -> Result:
+    """``result`` with the median of ``steps`` at ``k`` responses per micro-batch."""
+    p, r = result.p, result.r
     seconds = statistics.median(s.seconds for s in steps)
     result.micro_batch_responses = k
-    result.micro_batch_tokens = p + k * r if layout == "packed" else k * (p + r)
+    result.micro_batch_tokens = p + k * r if result.layout == "packed" else k * (p + r)
     result.micro_batches = steps[0].micro_batches
     result.step_s = seconds
     result.tokens_per_s = steps[0].rollout_tokens / seconds
@@ -171,16 +150,19 @@ def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tf
     return result
 
 
-def profile_step(card: Path, workload, args) -> None:
-    """Kernel-time table of one packed step (after two warm-up steps), printed and written to the out folder."""
+def profile_step(card, workload, args, setting: Optional["Setting"] = None) -> None:
+    """Kernel-time table of one packed step (after two warm-up steps), printed and written to the out
+    folder; at ``setting`` (the micro-batch and recompute), else the whole group without recompute."""
     from torch.profiler import ProfilerActivity, profile
 
-    policy = policy_update.build_policy(policy_args(card, args))
     n, p, r = workload
+    responses = n if setting is None else setting.responses
+    recompute = () if setting is None else (setting.recompute, setting.recompute_layers)
+    policy = policy_update.build_policy(policy_args(card, args, *recompute))
     group = rollout_group(n, p, r, policy.vocab_size, seed=n)
 
     def step():
-        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], p + n * r, "packed")
+        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], p + responses * r, "packed")
 
     step(), step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -190,18 +172,19 @@ def profile_step(card: Path, workload, args) -> None:
     table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
     print(table, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"profile_{card.stem}.txt").write_text(table)
+    (args.out / f"profile_{Path(card).stem}.txt").write_text(table)
 
 
-def policy_args(card: Path, args):
+def policy_args(card: Path, args, recompute: str = "none", recompute_layers: int = 0):
+    layers = ["--recompute-layers", str(recompute_layers)] if recompute_layers else []
     return policy_update.parse_args([
         "--model", str(card), "--dtype", args.dtype, "--lr", "1e-6", "--clip-grad", "0" if args.device == "cpu" else "1.0",
+        "--recompute", recompute, *layers,
     ])
 
 
 def bench_model(card: Path, layers: int, workloads, args, peak_tflops: float) -> List[Result]:
     policy = policy_update.build_policy(policy_args(card, args))
-    use_sdpa_for_replicated(policy.model)
     results = []
     for n, p, r in workloads:
         group = rollout_group(n, p, r, policy.vocab_size, seed=n)
@@ -214,13 +197,132 @@ def bench_model(card: Path, layers: int, workloads, args, peak_tflops: float) ->
     return results
 
 
-COLUMNS = ["model", "N", "P", "R", "layout", "mb resp", "mb tokens", "mbs", "step s", "tok/s", "TFLOP/s", "MFU", "peak GiB", "speedup"]
+@dataclass(frozen=True)
+class Setting:
+    """One way to run a workload: ``responses`` per micro-batch, a recompute setting, and what the
+    memory and cost models say of it."""
+
+    responses: int
+    recompute: str
+    recompute_layers: int
+    predicted_gib: float
+    useful_flops: float  # the layout's 4x forward FLOPs without recompute
+    recompute_flops: float  # what recompute adds
+
+    @property
+    def executed_flops(self) -> float:
+        return self.useful_flops + self.recompute_flops
+
+
+def micro_batch_layouts(n: int, p: int, r: int, k: int, layout: str) -> List[DualKVLayout]:
+    """The micro-batches of one group of n responses at k responses per micro-batch: sub-groups that
+    each carry the prompt (packed), or k sequences [P][R_i] (replicated)."""
+    sizes = [min(k, n - i) for i in range(0, n, k)]
+    if layout == "packed":
+        return [DualKVLayout((p,), ((r,) * m,)) for m in sizes]
+    return [DualKVLayout((p + r,) * m, ((),) * m) for m in sizes]
+
+
+def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, workload, layout: str) -> List[Setting]:
+    """For every micro-batch size (N, N/2, ..., 1 responses) the least recompute that fits ``budget``,
+    fewest executed FLOPs first (ties: the larger micro-batch)."""
+    n, p, r = workload
+    layers = memory.config.num_layers
+    settings = []
+    k = n
+    while k >= 1:
+        mbs = micro_batch_layouts(n, p, r, k, layout)
+        tokens = mbs[0].total_tokens
+        try:
+            fit = memory.fit(budget, tokens, predicting_fraction=k * r / tokens, num_micro_batches=len(mbs), layout=layout)
+        except ValueError:
+            k //= 2
+            continue
+        recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
+        prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
+        settings.append(Setting(
+            k, fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
+            useful_flops=sum(4 * cost.layout_flops(mb, predicting_rows=r * len(mb.segment_lens)) for mb in mbs),
+            recompute_flops=sum(recomputed * cost.layer_flops(mb, layers) for mb in mbs),
+        ))
+        k //= 2
+    return sorted(settings, key=lambda s: (s.executed_flops, -s.responses))
+
+
+class PolicyCache:
+    """The benchmark's model with one recompute setting at a time: rebuilt only when it changes (a dense
+    model in Megatron's DDP is freed when dropped)."""
+
+    def __init__(self, card: str, args):
+        self.card, self.args, self.key, self.policy = card, args, None, None
+
+    def get(self, recompute: str, recompute_layers: int):
+        if self.key != (recompute, recompute_layers):
+            self.policy = None
+            free_memory()
+            self.policy = policy_update.build_policy(policy_args(self.card, self.args, recompute, recompute_layers))
+            self.key = (recompute, recompute_layers)
+        return self.policy
+
+
+def planning_models(card: str, args):
+    """(memory model, cost model, memory budget) of a full-depth card on this device."""
+    memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype])
+    budget = device_budget() if args.device == "cuda" else CPU_BUDGET_GIB * GIB
+    return memory, CostModel.from_config(memory.config, memory.vocab_size), budget
+
+
+def bench_full_depth(card: str, workloads, args, peak_tflops: float) -> List[Result]:
+    """Every workload on both layouts, each at the first setting of ``candidate_settings`` that runs."""
+    memory, cost, budget = planning_models(card, args)
+    vocab_size = load_card(card).config["vocab_size"]
+    policies = PolicyCache(card, args)
+    results = []
+    for n, p, r in workloads:
+        group = rollout_group(n, p, r, vocab_size, seed=n)
+        pair = [run_best_setting(policies, memory, cost, group, Result(card, memory.config.num_layers, n, p, r, layout),
+                                 budget, args.repeats, peak_tflops) for layout in ("packed", "replicated")]
+        pair[0].speedup = pair[1].step_s / pair[0].step_s
+        results += pair
+        for result in pair:
+            print(row(result), flush=True)
+    return results
+
+
+def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel, group: RolloutGroup, result: Result,
+                     budget: float, repeats: int, peak_tflops: float) -> Result:
+    workload = (result.n, result.p, result.r)
+    for setting in candidate_settings(memory, cost, budget, workload, result.layout):
+        policy = policies.get(setting.recompute, setting.recompute_layers)
+        try:
+            steps = run_steps(policy, group, result.layout, result.p + setting.responses * result.r, repeats)
+        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_out_of_memory(err):
+                raise
+            steps = None
+        if steps is None:  # outside the except block: the exception's frames, which hold the activations, are gone
+            print(f"  {result.model} {result.layout} {workload}: {setting} runs out of memory", flush=True)
+            free_memory()
+            continue
+        measured(result, setting.responses, steps, peak_tflops)
+        result.recompute, result.recompute_layers = setting.recompute, setting.recompute_layers
+        result.recompute_flops = setting.recompute_flops / setting.useful_flops
+        result.predicted_gib = setting.predicted_gib
+        return result
+    print(f"  {result.model} {result.layout} {workload}: no setting fits", flush=True)
+    return result
+
+
+COLUMNS = ["model", "N", "P", "R", "layout", "mb resp", "mb tokens", "mbs", "recompute", "step s", "tok/s", "TFLOP/s",
+           "MFU", "recompute FLOPs", "peak GiB", "predicted GiB", "speedup"]
 
 
 def row(result: Result) -> str:
+    recompute = result.recompute + (f"+{result.recompute_layers}" if result.recompute_layers else "")
     cells = [result.model, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
-             result.micro_batch_tokens, result.micro_batches, f"{result.step_s:.4g}", f"{result.tokens_per_s:,.0f}",
-             f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%", f"{result.peak_gib:.1f}",
+             result.micro_batch_tokens, result.micro_batches, recompute, f"{result.step_s:.4g}",
+             f"{result.tokens_per_s:,.0f}", f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%",
+             f"+{100 * result.recompute_flops:.1f}%", f"{result.peak_gib:.1f}", f"{result.predicted_gib:.1f}",
              "" if result.layout == "replicated" else f"{result.speedup:.2f}x"]
     return " | ".join(str(c) for c in cells)
 
@@ -284,7 +386,7 @@ def model_flags(args, name: str, out: Path) -> List[str]:
     """The flags of this run for model ``name`` alone, writing into ``out``."""
     flags = ["--device", args.device, "--dense-layers", str(args.dense_layers), "--moe-layers", str(args.moe_layers),
              "--repeats", str(args.repeats), "--models", name, "--out", str(out)]
-    return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile
+    return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth
 
 
 def measure_alone(name: str, args) -> List[Result]:
@@ -295,35 +397,39 @@ def measure_alone(name: str, args) -> List[Result]:
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out if args.profile else Path(tmp)
         subprocess.run([sys.executable, __file__, *model_flags(args, name, out)], check=True)
-        return [] if args.profile else read_results(out / "policy_update.csv")
+        return [] if args.profile else read_results(out / table_name(args))
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny cards and small groups (a dry run of the code paths)")
+    parser.add_argument("--full-depth", action="store_true",
+                        help="whole models (Qwen3-4B, Gemma-3-4B), each at the setting the tool finds best")
     parser.add_argument("--dense-layers", type=int, default=4, help="Qwen3-8B-dimension layers")
     parser.add_argument("--moe-layers", type=int, default=4, help="Qwen3-30B-A3B-dimension MoE layers")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
-    parser.add_argument("--models", default="dense,moe", help="comma list of dense, moe")
+    parser.add_argument("--models", default=None,
+                        help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one packed step of each model at the first workload (kernel time table)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--update", type=Path, metavar="CSV",
                         help="instead of writing into --out: replace the measured models' rows of this table")
     args = parser.parse_args(argv)
-    model_names = comma_names(parser, "--models", args.models, ("dense", "moe"))
+    models = model_workloads(args)
+    model_names = comma_names(parser, "--models", args.models or ",".join(models), models)
     if args.update is not None and not args.update.is_file():
         parser.error(f"--update: {args.update} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
-    if args.device == "cpu" and torch.cuda.is_available():
-        parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
     if len(model_names) > 1:
         results = [r for name in model_names for r in measure_alone(name, args)]
         if not args.profile:
             write_results(results, args)
         return
+    if args.device == "cpu" and torch.cuda.is_available():
+        parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
     # Megatron's mixed-precision optimizer needs CUDA: the CPU dry run is float32.
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     peak = (policy_update.measure_matmul_tflops() if args.device == "cuda"
@@ -331,25 +437,41 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"measured {args.dtype} matmul peak: {peak:.4g} TFLOP/s", flush=True)
     if not args.profile:
         print(" | ".join(COLUMNS), flush=True)
-    cards = ({"dense": ("qwen3-tiny", 2), "moe": ("qwen3-moe-tiny", 2)} if args.tiny
-             else {"dense": ("qwen3-8b", args.dense_layers), "moe": ("qwen3-30b-a3b", args.moe_layers)})
-    card, layers = cards[model_names[0]]
-    workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
+    name = model_names[0]
     with tempfile.TemporaryDirectory() as tmp:
+        card, layers = (name, None) if args.full_depth else models[name]
+        if not args.full_depth:
+            card = layer_card(card, layers, Path(tmp))
+        workloads = models[name] if args.full_depth else (TINY_WORKLOADS if args.tiny else WORKLOADS)
         if args.profile:
-            profile_step(layer_card(card, layers, Path(tmp)), workloads[0], args)
+            setting = candidate_settings(*planning_models(card, args), workloads[0], "packed") if args.full_depth else None
+            profile_step(card, workloads[0], args, setting[0] if setting else None)
             return
-        results = bench_model(layer_card(card, layers, Path(tmp)), layers, workloads, args, peak)
+        results = (bench_full_depth(card, workloads, args, peak) if args.full_depth
+                   else bench_model(card, layers, workloads, args, peak))
     write_results(results, args)
+
+
+def model_workloads(args):
+    """--full-depth: card -> workloads; else name -> (card, layers) of the layer slices."""
+    if args.full_depth:
+        return TINY_FULL_DEPTH if args.tiny else FULL_DEPTH
+    if args.tiny:
+        return {"dense": ("qwen3-tiny", 2), "moe": ("qwen3-moe-tiny", 2)}
+    return {"dense": ("qwen3-8b", args.dense_layers), "moe": ("qwen3-30b-a3b", args.moe_layers)}
+
+
+def table_name(args) -> str:
+    return "policy_update_full_depth.csv" if args.full_depth else "policy_update.csv"
 
 
 def write_results(results: List[Result], args) -> None:
     """The CSV (``--update``'s table with these rows in, or a new one in ``--out``) and its plot."""
-    csv_path = args.update or args.out / "policy_update.csv"
+    csv_path = args.update or args.out / table_name(args)
     if args.update is not None:
         results = updated(read_results(args.update), results)
     write_csv(results, csv_path)
-    plot(results, csv_path.with_suffix(".png"), "SDPA cuDNN" if args.device == "cuda" else "SDPA math (CPU)")
+    plot(results, csv_path.with_suffix(".png"), "SDPA" if args.device == "cuda" else "Megatron's attention (CPU)")
     print(f"wrote {csv_path} and {csv_path.with_suffix('.png')}")
 
 

@@ -1,0 +1,415 @@
+"""Peak memory of one rank in a policy-update step, predicted from the model, the parallel sizes,
+the micro-batch, and the recompute and optimizer settings.
+
+    peak = static (weights, gradients, optimizer state; a frozen reference model)
+         + activations (what autograd keeps of the micro-batches in flight until their backward)
+         + transient (the largest working set that exists on top of them: one layer's backward,
+           the output layer's chunk, a fully recomputed layer's activations)
+
+``MemoryModel.predict`` gives a ``MemoryEstimate`` for one pipeline stage; ``peak`` the largest over
+the stages (what every rank must fit). ``fit`` answers the launch script's and the benchmark's
+``--recompute auto`` and ``--max-tokens auto``: the least recompute, and the largest micro-batch, whose
+predicted peak stays under the device's memory minus a margin.
+
+Activations are counted tensor by tensor as our layer specs save them for the backward, per token of
+the micro-batch (``LAYER_TENSORS``): every saved tensor is a number of elements per token that is a sum
+of model dimensions, a dtype, and how tensor and sequence parallelism split it. Recompute drops some of
+them: "selective" the norm outputs and MLP activations that the next linear saves (those are recomputed
+from the norm inputs and the activations' inputs, which stay), a fully recomputed layer everything but
+its input. The counts were read off the code and checked against the H200 (PERF_NOTES.md); a change to a
+spec that saves other tensors must change them too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .mcore.parallel import ParallelSizes
+from .mcore.recompute import check_recompute
+from .planner import moe_layer_flags
+
+GIB = 2**30
+# What the fused vocabulary projection holds per row of a chunk: the fp32 logits and their gradient
+# (ops/linear_logprobs.py), at most LOGITS_CHUNK_BYTES of logits at a time.
+LOGITS_CHUNK_BYTES = 2**30
+DEFAULT_MARGIN = 0.08
+GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations  # of the device's memory: the allocator's fragmentation and what it does not count
+
+
+# ------------------------------------------------------------------------------------ parameters
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters held by one rank: ``dense`` ones (replicated over dp x cp) and ``expert`` ones
+    (replicated over the expert-data-parallel ranks)."""
+
+    dense: int = 0
+    expert: int = 0
+
+    def __add__(self, other: "ParameterCounts") -> "ParameterCounts":
+        return ParameterCounts(self.dense + other.dense, self.expert + other.expert)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def _layer_config(config, layer_number: int):
+    """The config of one layer (Gemma's full-attention layers have their own head dim and heads)."""
+    for_layer = getattr(config, "for_layer", None)
+    return for_layer(layer_number) if for_layer else config
+
+
+def _keys_are_values(config, layer_number: int) -> bool:
+    return bool(getattr(config, "full_attention_keys_are_values", False)) and config.is_full_attention(layer_number)
+
+
+def layer_parameters(config, layer_number: int, sizes: ParallelSizes) -> ParameterCounts:
+    """One decoder layer's parameters on one rank (``layer_number`` 1-based, as Megatron numbers them)."""
+    layer = _layer_config(config, layer_number)
+    h, d = config.hidden_size, layer.kv_channels
+    q, kv = layer.num_attention_heads * d, layer.num_query_groups * d
+    kv_projections = 1 if _keys_are_values(config, layer_number) else 2
+    qkv = h * (q + kv_projections * kv) + (q + kv_projections * kv if config.add_qkv_bias else 0)
+    attention = qkv + q * h + (h if config.add_bias_linear else 0)
+    norms = 2 * h + (2 * d if config.qk_layernorm else 0) + (2 * h if _has_post_norms(config) else 0)
+    gated = 2 if config.gated_linear_unit else 1
+    if moe_layer_flags(config)[layer_number - 1]:
+        f = config.moe_ffn_hidden_size
+        experts = config.num_moe_experts * (gated + 1) * h * f
+        shared = (gated + 1) * h * (config.moe_shared_expert_intermediate_size or 0)
+        return ParameterCounts(
+            dense=(attention + shared) // sizes.tp + norms + config.num_moe_experts * h,
+            expert=experts // (sizes.ep * sizes.etp),
+        )
+    mlp = (gated + 1) * h * config.ffn_hidden_size
+    return ParameterCounts(dense=(attention + mlp) // sizes.tp + norms)
+
+
+def _has_post_norms(config) -> bool:
+    """Gemma's post-attention and post-feedforward norms (``GemmaTransformerConfig``)."""
+    return hasattr(config, "full_attention_kv_channels")
+
+
+def stage_layers(config, pp_rank: int, vp_stage: Optional[int] = None) -> List[int]:
+    """The 1-based layer numbers of pipeline rank ``pp_rank`` (and model chunk ``vp_stage``), as Megatron
+    splits them (uneven first/last stages included)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return list(range(offset + 1, offset + count + 1))
+
+
+def rank_parameters(config, vocab_size: int, tied: bool, sizes: ParallelSizes, pp_rank: int = 0) -> ParameterCounts:
+    """The parameters of one rank of pipeline stage ``pp_rank`` (all its model chunks)."""
+    chunks = [None] if not sizes.vpp else list(range(sizes.vpp))
+    counts = ParameterCounts()
+    for vp_stage in chunks:
+        for number in stage_layers(config, pp_rank, vp_stage):
+            counts = counts + layer_parameters(config, number, sizes)
+    embedding = vocab_size * config.hidden_size // sizes.tp
+    first, last = pp_rank == 0, pp_rank == sizes.pp - 1
+    # the last stage holds the output layer, or its own copy of a tied embedding under pipelining
+    vocab_matrices = int(first) + int(last and (not tied or sizes.pp > 1))
+    return counts + ParameterCounts(dense=vocab_matrices * embedding + (config.hidden_size if last else 0))
+
+
+# ------------------------------------------------------------------------------------ activations
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a layer keeps for its backward: ``elements`` per token, ``bytes_per_element``,
+    ``split``: "seq" (split by tp under sequence parallelism), "tp" (heads or ffn columns, split by
+    tp), "expert" (per routed token copy, ffn split by the expert tensor-parallel size); ``freed_by``:
+    the recompute that drops it ("selective": a norm output or an MLP activation)."""
+
+    name: str
+    elements: int
+    bytes_per_element: int = 2
+    split: str = "tp"
+    freed_by: Optional[str] = None
+
+
+def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[SavedTensor]:
+    """What one layer of our specs keeps for its backward, per token (bf16 unless said)."""
+    layer = _layer_config(config, layer_number)
+    h, d = config.hidden_size, layer.kv_channels
+    heads, groups = layer.num_attention_heads, layer.num_query_groups
+    b = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
+    tensors = [
+        SavedTensor("input norm: its input (the residual stream)", h, b, "seq"),
+        SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "selective"),
+        # q, k (and v) are views of linear_qkv's output, which the q/k norms keep alive
+        SavedTensor("linear_qkv output (q/k norm inputs, v)", (heads + 2 * groups) * d, b),
+        SavedTensor("norm statistics (fp32)", heads + groups + 2, 4),
+        SavedTensor("RoPE cos/sin of q and k", 4 * d, b),
+        SavedTensor("attention q, k (after RoPE) and out", (2 * heads + groups) * d, b),
+        SavedTensor("attention log-sum-exp (fp32)", heads, 4),
+    ]
+    if layout == "replicated":
+        tensors.append(SavedTensor("attention output made contiguous for linear_proj", heads * d, b))
+    if _has_post_norms(config):
+        tensors.append(SavedTensor("post-attention norm input", h, b, "seq"))
+        tensors.append(SavedTensor("post-feedforward norm input", h, b, "seq"))
+    tensors.append(SavedTensor("pre-MLP norm: its input", h, b, "seq"))
+    tensors.append(SavedTensor("pre-MLP norm: its output, the MLP's (router's) input", h, b, "seq", "selective"))
+    gated = 2 if config.gated_linear_unit else 1
+    if moe_layer_flags(config)[layer_number - 1]:
+        k, f, experts = config.moe_router_topk, config.moe_ffn_hidden_size, config.num_moe_experts
+        tensors += [
+            SavedTensor("router scores (fp32)", 2 * experts, 4, "seq"),
+            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "expert"),
+            SavedTensor("experts' fc1 output, the activation's input", k * gated * f, b, "expert"),
+            SavedTensor("experts' activation output, fc2's input", k * f, b, "expert", "selective"),
+            SavedTensor("routing probabilities (fp32)", k, 4, "seq"),
+        ]
+    else:
+        f = config.ffn_hidden_size
+        tensors += [
+            SavedTensor("fc1 output, the activation's input", gated * f, b),
+            SavedTensor("activation output, fc2's input", f, b, "tp", "selective"),
+        ]
+    return tensors
+
+
+def _per_token_bytes(tensors: Sequence[SavedTensor], sizes: ParallelSizes, drop: Optional[str]) -> float:
+    total = 0.0
+    for t in tensors:
+        if drop is not None and t.freed_by == drop:
+            continue
+        split = {"seq": sizes.tp if sizes.sp else 1, "tp": sizes.tp, "expert": sizes.etp}[t.split]
+        total += t.elements * t.bytes_per_element / split
+    return total / sizes.cp
+
+
+def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode: str, layout: str = "packed") -> float:
+    """Bytes per micro-batch token that one layer keeps until its backward, under recompute ``mode``
+    ("none", "selective", or "full": the layer recomputed whole, keeping its input)."""
+    if mode == "full":
+        b = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
+        return config.hidden_size * b / (sizes.tp if sizes.sp else 1) / sizes.cp
+    return _per_token_bytes(layer_tensors(config, layer_number, layout), sizes, "selective" if mode == "selective" else None)
+
+
+def layer_modes(mode: str, recompute_layers: Optional[int], layers: Sequence[int]) -> List[str]:
+    """Each of a stage's (or model chunk's) layers' recompute: ``mode``, except that ``recompute_layers``
+    = N fully recomputes the first N (Megatron's "block" method) and leaves the others at "selective"
+    (mode "selective") or at "none" (mode "full")."""
+    if mode == "none" or recompute_layers is None:
+        return [mode] * len(layers)
+    rest = "selective" if mode == "selective" else "none"
+    return ["full" if i < recompute_layers else rest for i in range(len(layers))]
+
+
+# ------------------------------------------------------------------------------------ the model
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes of one rank, by part (``parts``: name -> bytes)."""
+
+    parts: Dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {value / GIB:.1f}" for name, value in self.parts.items()) + f" = {self.total_gib:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Memory of one policy-update step on every rank of a model (see the module docstring).
+
+    config: the model's ``TransformerConfig`` (``build_transformer_config`` gives it without building);
+    vocab_size: the (padded) vocabulary of the embedding and output layer; tied: shared embedding and
+    output weights. dp: data-parallel size (for the distributed optimizer's shards). ref_model: a
+    frozen bf16 reference policy of the same layout is resident.
+    """
+
+    config: object
+    vocab_size: int
+    tied: bool
+    sizes: ParallelSizes = field(default_factory=ParallelSizes)
+    dp: int = 1
+    distributed_optimizer: bool = False
+    ref_model: bool = False
+
+    @classmethod
+    def for_card(cls, card, sizes: ParallelSizes = ParallelSizes(), dtype: torch.dtype = torch.bfloat16, dp: int = 1,
+                 distributed_optimizer: bool = False, ref_model: bool = False, **overrides) -> "MemoryModel":
+        """The model of a card (name, file or ``ModelCard``) as ``build_model`` would build it, without
+        building it: ``overrides`` are ``build_model``'s ``TransformerConfig`` overrides."""
+        from .models.builder import build_transformer_config, family_of
+        from .models.cards import load_card
+
+        card = load_card(card)
+        family = family_of(card)
+        config = build_transformer_config(card, family, sizes, dtype, False, overrides)
+        kwargs = family.gpt_model_kwargs(card)
+        return cls(config, kwargs["vocab_size"], bool(kwargs.get("share_embeddings_and_output_weights")), sizes, dp,
+                   distributed_optimizer, ref_model)
+
+    # ---------------------------------------------------------------- static
+    def static_parts(self, pp_rank: int = 0) -> Dict[str, float]:
+        """Weights, fp32 gradient buffer, optimizer state (fp32 main weights for 16-bit models, Adam's
+        two moments), and the reference model's weights."""
+        params = rank_parameters(self.config, self.vocab_size, self.tied, self.sizes, pp_rank)
+        half = self.config.params_dtype in (torch.bfloat16, torch.float16)
+        weight_bytes = 2 if half else 4
+        optimizer_bytes = (4 if half else 0) + 8
+        dense_shards = self.dp * self.sizes.cp if self.distributed_optimizer else 1
+        expert_shards = self._expert_dp() if self.distributed_optimizer else 1
+        parts = {
+            "weights": params.total * weight_bytes,
+            "gradients": params.total * 4,  # Megatron's DDP buffer, grad_reduce_in_fp32
+            "optimizer": optimizer_bytes * (params.dense / dense_shards + params.expert / expert_shards),
+        }
+        if self.ref_model:
+            parts["reference model"] = params.total * 2
+        return parts
+
+    def _expert_dp(self) -> int:
+        return max(1, self.dp * self.sizes.tp * self.sizes.cp // (self.sizes.ep * self.sizes.etp))
+
+    # ---------------------------------------------------------------- activations
+    def _chunk_layers(self, pp_rank: int) -> List[List[int]]:
+        chunks = [None] if not self.sizes.vpp else list(range(self.sizes.vpp))
+        return [stage_layers(self.config, pp_rank, vp) for vp in chunks]
+
+    def activation_bytes_per_token(self, mode: str, recompute_layers: Optional[int] = None, pp_rank: int = 0,
+                                   layout: str = "packed") -> float:
+        """Bytes per micro-batch token that all layers of one rank keep until the backward."""
+        total = 0.0
+        for layers in self._chunk_layers(pp_rank):
+            for number, layer_mode in zip(layers, layer_modes(mode, recompute_layers, layers)):
+                total += layer_activation_bytes(self.config, number, self.sizes, layer_mode, layout)
+        return total
+
+    def in_flight_micro_batches(self, num_micro_batches: int, pp_rank: int = 0) -> float:
+        """Micro-batches whose activations a rank holds at once: 1F1B's warm-up depth plus one, in units
+        of the rank's whole model (an interleaved schedule's chunks count 1/vpp each)."""
+        pp, vpp = self.sizes.pp, self.sizes.vpp
+        if pp == 1:
+            return 1.0
+        if not vpp:
+            return float(min(pp - pp_rank, num_micro_batches))
+        chunks = (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1  # Megatron's interleaved warm-up, plus one
+        return min(chunks, num_micro_batches * vpp) / vpp
+
+    # ---------------------------------------------------------------- transients
+    def transient_bytes(self, tokens: int, predicting_rows: int, mode: str, recompute_layers: Optional[int],
+                        pp_rank: int = 0, layout: str = "packed") -> float:
+        """The largest working set on top of the held activations: one layer's backward (the gradient
+        tensors of its widest parts, and its recomputed activations where recompute drops them), and on
+        the last stage the output layer's logits chunk."""
+        sizes, config = self.sizes, self.config
+        local_tokens = tokens / sizes.cp
+        layers = [n for chunk in self._chunk_layers(pp_rank) for n in chunk]
+        widest = max(layers, key=lambda n: layer_activation_bytes(config, n, sizes, "none", layout))
+        none_bytes = layer_activation_bytes(config, widest, sizes, "none", layout) * tokens
+        deepest = "full" if mode == "full" or recompute_layers else mode
+        held = layer_activation_bytes(config, widest, sizes, deepest, layout) * tokens
+        # a layer's backward needs gradients about as large as the activations it differentiates, and a
+        # recomputed layer holds what it dropped again during its own backward
+        transient = GRADIENT_FACTOR * none_bytes + (none_bytes - held)
+        if pp_rank == self.sizes.pp - 1:
+            rows = predicting_rows / sizes.cp
+            vocab = self.vocab_size / sizes.tp
+            chunk_rows = min(rows, LOGITS_CHUNK_BYTES / (4 * vocab))
+            hidden = 2 * config.hidden_size * (tokens if sizes.sp else local_tokens)  # gathered under SP
+            transient = max(transient, 2 * chunk_rows * vocab * 4 + hidden + 4 * rows * config.hidden_size)
+        return transient
+
+    # ---------------------------------------------------------------- totals
+    def predict(self, tokens: int, predicting_rows: Optional[int] = None, recompute: str = "none",
+                recompute_layers: Optional[int] = None, num_micro_batches: int = 1, pp_rank: int = 0,
+                layout: str = "packed") -> MemoryEstimate:
+        """Peak of pipeline rank ``pp_rank`` when every micro-batch has ``tokens`` tokens (the packed
+        count before the TP/CP split; replicated: the padded batch's tokens) of which
+        ``predicting_rows`` (default: all) predict a trained token."""
+        check_recompute(recompute, recompute_layers, self._min_chunk_layers())
+        rows = tokens if predicting_rows is None else predicting_rows
+        parts = dict(self.static_parts(pp_rank))
+        per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
+        parts["activations"] = per_token * tokens * self.in_flight_micro_batches(num_micro_batches, pp_rank)
+        parts["transient"] = self.transient_bytes(tokens, rows, recompute, recompute_layers, pp_rank, layout)
+        return MemoryEstimate(parts)
+
+    def peak(self, *args, **kwargs) -> MemoryEstimate:
+        """``predict`` of the pipeline rank with the largest peak."""
+        return max((self.predict(*args, pp_rank=r, **kwargs) for r in range(self.sizes.pp)), key=lambda e: e.total)
+
+    def _min_chunk_layers(self) -> int:
+        return min(len(layers) for r in range(self.sizes.pp) for layers in self._chunk_layers(r))
+
+    def recompute_ladder(self) -> List[Tuple[str, Optional[int]]]:
+        """Recompute settings from the cheapest to the one that saves the most memory: none, selective,
+        selective with the first 1, 2, ... layers of each stage fully recomputed, full."""
+        layers = self._min_chunk_layers()
+        return [("none", None), ("selective", None)] + [("selective", n) for n in range(1, layers)] + [("full", None)]
+
+    def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
+            recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
+            layout: str = "packed", multiple: int = 1) -> "Fit":
+        """The least recompute (``recompute`` None: the first of ``recompute_ladder``; else the one given)
+        under which a micro-batch of ``min_tokens`` fits ``budget_bytes``, and the most tokens (a multiple
+        of ``multiple``) it fits. ``predicting_fraction``: the share of the tokens that predict a trained
+        token. ValueError when even the last setting does not fit ``min_tokens``, naming the budget and
+        that setting's peak.
+        """
+        ladder = self.recompute_ladder() if recompute is None else [(recompute, recompute_layers)]
+
+        def peak_at(n: int, setting) -> MemoryEstimate:
+            return self.peak(n, int(n * predicting_fraction), *setting, num_micro_batches=num_micro_batches, layout=layout)
+
+        for setting in ladder:
+            if peak_at(min_tokens, setting).total <= budget_bytes:
+                most = self._most_tokens(lambda n: peak_at(n, setting).total, budget_bytes, multiple)
+                most = max(most, min_tokens)
+                return Fit(setting[0], setting[1], most, peak_at(most, setting))
+        raise ValueError(
+            f"a micro-batch of {min_tokens:,} tokens needs more than the memory budget of {budget_bytes / GIB:.1f} GiB: "
+            f"with {ladder[-1][0]} recompute it takes {peak_at(min_tokens, ladder[-1]).describe()}; use more ranks "
+            "(tp, pp, cp) or shorter sequences"
+        )
+
+    @staticmethod
+    def _most_tokens(peak_of, budget: float, multiple: int) -> int:
+        """The largest multiple of ``multiple`` whose peak fits (peaks grow with tokens), or 0."""
+        if peak_of(multiple) > budget:
+            return 0
+        lo, hi = 1, 2
+        while peak_of(hi * multiple) <= budget:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if peak_of(mid * multiple) <= budget else (lo, mid)
+        return lo * multiple
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What ``MemoryModel.fit`` picked."""
+
+    recompute: str
+    recompute_layers: Optional[int]
+    tokens: int
+    estimate: MemoryEstimate
+
+    def describe(self) -> str:
+        layers = "" if self.recompute_layers is None else f" + {self.recompute_layers} full layer(s) per stage"
+        return f"recompute {self.recompute}{layers}, micro-batch {self.tokens:,} tokens, predicted peak {self.estimate.describe()}"
+
+
+def device_budget(device=None, margin: float = DEFAULT_MARGIN) -> float:
+    """The device's memory less ``margin`` of it (the allocator's fragmentation and the CUDA context are
+    not in the model)."""
+    total = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).total_memory
+    return total * (1.0 - margin)
+
