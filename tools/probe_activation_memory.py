@@ -1,0 +1,84 @@
+"""What one decoder layer keeps for its backward, measured against the memory model's count.
+
+    python tools/probe_activation_memory.py --cards qwen3-4b,gemma3-4b --tokens 8192   # on the GPU
+    python tools/probe_activation_memory.py --cards qwen3-tiny --tokens 256            # CPU dry run
+
+For each card and recompute mode: models of one and of two layers (the card's first layers) run the
+forward of a packed micro-batch with autograd on; the memory allocated after the forward, minus before,
+grows by one layer's saved tensors from one model to the other. Per token, that is what
+``megatron_dualkv.memory.layer_activation_bytes`` predicts. Prints a table and writes CSV.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]
+from bench_attention import write_table  # noqa: E402
+from megatron_dualkv import RolloutGroup, pack_groups  # noqa: E402
+from megatron_dualkv.memory import layer_activation_bytes  # noqa: E402
+from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
+from megatron_dualkv.models import build_model  # noqa: E402
+from megatron_dualkv.rl.logprobs import model_output  # noqa: E402
+
+MODES = ("none", "selective", "full")
+
+
+def held_after_forward(card: str, layers: int, mode: str, tokens: int, dtype) -> tuple:
+    """(bytes allocated after a forward minus before, the model's config)."""
+    model = build_model(card, num_layers=layers, recompute=mode, dtype=dtype)
+    vocab = model.vocab_size
+    prompt = tokens // 2
+    group = RolloutGroup(list(torch.randint(3, vocab, (prompt,)).tolist()),
+                         [torch.randint(3, vocab, (tokens - prompt,)).tolist()], [1.0])
+    batch = pack_groups([group])
+    before = allocated()
+    output = model_output(model, batch, "packed")
+    held = allocated() - before - output.numel() * output.element_size()
+    config = model.config
+    del output, model
+    gc.collect()
+    return held, config
+
+
+def allocated() -> int:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cards", default="qwen3-4b,gemma3-4b")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    rows = []
+    for card in args.cards.split(","):
+        for mode in args.modes.split(","):
+            one, _ = held_after_forward(card, 1, mode, args.tokens, dtype)
+            two, config = held_after_forward(card, 2, mode, args.tokens, dtype)
+            measured = (two - one) / args.tokens
+            predicted = layer_activation_bytes(config, 2, current_parallel_sizes(config), mode)
+            rows.append(dict(card=card, mode=mode, measured=measured, predicted=predicted,
+                             error=100 * (predicted - measured) / measured))
+    print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {args.tokens} tokens, {dtype}")
+    os.makedirs(args.out, exist_ok=True)
+    write_table(rows, os.path.join(args.out, "activation_memory.csv"), [
+        ("card", "card", "12"), ("mode", "mode", "10"), ("measured", "B/token/layer", "13.0f"),
+        ("predicted", "predicted", "10.0f"), ("error", "error %", "8.1f"),
+    ])
+
+
+if __name__ == "__main__":
+    main()
