@@ -27,7 +27,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .mcore.parallel import ParallelSizes
-from .mcore.recompute import check_recompute
 from .planner import moe_layer_flags
 
 GIB = 2**30
@@ -193,6 +192,13 @@ def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode
     return _per_token_bytes(layer_tensors(config, layer_number, layout), sizes, "selective" if mode == "selective" else None)
 
 
+def _check_recompute(mode: str, layers: Optional[int], max_layers: int) -> None:
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be one of none, selective, full, got {mode!r}")
+    if layers is not None and not (mode != "none" and 1 <= layers <= max_layers):
+        raise ValueError(f"recompute_layers={layers!r} needs recompute selective or full and 1..{max_layers} layers")
+
+
 def layer_modes(mode: str, recompute_layers: Optional[int], layers: Sequence[int]) -> List[str]:
     """Each of a stage's (or model chunk's) layers' recompute: ``mode``, except that ``recompute_layers``
     = N fully recomputes the first N (Megatron's "block" method) and leaves the others at "selective"
@@ -333,7 +339,7 @@ class MemoryModel:
         """Peak of pipeline rank ``pp_rank`` when every micro-batch has ``tokens`` tokens (the packed
         count before the TP/CP split; replicated: the padded batch's tokens) of which
         ``predicting_rows`` (default: all) predict a trained token."""
-        check_recompute(recompute, recompute_layers, self._min_chunk_layers())
+        _check_recompute(recompute, recompute_layers, self._min_chunk_layers())
         rows = tokens if predicting_rows is None else predicting_rows
         parts = dict(self.static_parts(pp_rank))
         per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
