@@ -1,0 +1,204 @@
+"""linear_logprobs_func (the vocabulary projection, log-softmax and gather fused and chunked over
+the vocabulary) against the unfused computation in float64: log-probs, entropies and the
+gradients of the hidden states and the weight under random upstream gradients, with softcaps,
+padded vocabularies, chunk edges and odd sizes; the Triton kernels (interpreter) in float32 and
+within twice PyTorch's float16 error."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flash_check import assert_within_twice_the_reference_error
+from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
+from megatron_dualkv.rl import vocab_parallel_logprobs
+
+
+def unfused(hidden, weight, targets, vocab_size=None, softcap=None):
+    """The logits of the real vocabulary, (softcapped,) log_softmax, gathered; the entropy."""
+    logits = (hidden @ weight.T)[:, :vocab_size]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_softmax = logits.log_softmax(-1)
+    return log_softmax.gather(1, targets[:, None])[:, 0], -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+def problem(rows, hidden_size, vocab, seed=0, dtype=torch.float64, scale=1.0):
+    """hidden, weight, upstream gradients of the log-probs and entropies (float64 draws, cast)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, hidden_size, generator=g, dtype=torch.float64)
+    weight = scale * torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64)
+    upstream = torch.randn(2, rows, generator=g, dtype=torch.float64)
+    return hidden.to(dtype), weight.to(dtype), upstream
+
+
+def run(fn, hidden, weight, upstream, with_entropy=True):
+    """(log-probs, entropy, d hidden, d weight) of ``fn(hidden, weight)`` under the loss
+    ``sum(g0 * logp) + sum(g1 * H)``."""
+    h, w = (t.detach().clone().requires_grad_() for t in (hidden, weight))
+    logprobs, entropy = fn(h, w)
+    loss = (upstream[0].to(logprobs.dtype) * logprobs).sum()
+    if with_entropy:
+        loss = loss + (upstream[1].to(entropy.dtype) * entropy).sum()
+    d_hidden, d_weight = torch.autograd.grad(loss, (h, w))
+    return logprobs, entropy, d_hidden, d_weight
+
+
+def targets_for(rows, vocab_size, seed=1):
+    return torch.randint(0, vocab_size, (rows,), generator=torch.Generator().manual_seed(seed))
+
+
+def check_against_float64(rows, hidden_size, vocab, vocab_size, chunk, softcap, with_entropy, dtype=torch.float64,
+                          seed=0, rtol=1e-9, atol=1e-9):
+    hidden, weight, upstream = problem(rows, hidden_size, vocab, seed, dtype)
+    targets = targets_for(rows, vocab_size, seed)
+    got = run(lambda h, w: linear_logprobs_func(h, w, targets, vocab_size=vocab_size, softcap=softcap,
+                                                with_entropy=with_entropy, chunk_columns=chunk),
+              hidden, weight, upstream, with_entropy)
+    want = run(lambda h, w: unfused(h, w, targets, vocab_size, softcap), hidden.double(), weight.double(), upstream,
+               with_entropy)
+    assert (got[1] is not None) == with_entropy
+    for name, a, b in zip(("logprobs", "entropy", "d_hidden", "d_weight"), got, want):
+        if a is None:
+            continue
+        assert a.shape == b.shape, name
+        assert a.dtype == (torch.float64 if dtype == torch.float64 else torch.float32 if name in ("logprobs", "entropy")
+                           else dtype), name
+        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol * (1 + b.abs().max().item()), msg=name)
+    assert torch.all(got[3][vocab_size:] == 0), "padding rows of the weight get no gradient"
+
+
+@pytest.mark.parametrize("rows, vocab, chunk", [
+    (9, 40, 7),  # the last chunk narrower
+    (9, 40, 8),  # chunks divide the vocabulary
+    (9, 40, 64),  # one chunk wider than the vocabulary
+    (9, 40, 1),  # one column per chunk
+    (1, 40, 7),  # one row
+    (300, 5, 2),  # more rows than columns
+])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_matches_the_unfused_computation_in_float64(rows, vocab, chunk, softcap, with_entropy):
+    check_against_float64(rows, 6, vocab, vocab, chunk, softcap, with_entropy)
+
+
+@pytest.mark.parametrize("vocab_size, chunk", [(33, 7), (28, 7), (1, 7), (40, 64)])
+def test_padded_vocabulary_columns_are_left_out(vocab_size, chunk):
+    """Columns from vocab_size on: never in a softmax (a chunk ending at, or lying wholly in, the padding)."""
+    check_against_float64(9, 6, 40, vocab_size, chunk, 3.0, True)
+    hidden, weight, upstream = problem(9, 6, 40)
+    targets = targets_for(9, vocab_size)
+    huge = weight.clone()
+    huge[vocab_size:] = 1e6  # their logits would swamp every softmax
+    for w in (weight, huge):
+        logprobs, entropy = linear_logprobs_func(hidden, w, targets, vocab_size=vocab_size, with_entropy=True,
+                                                 chunk_columns=chunk)
+        want = unfused(hidden, weight, targets, vocab_size)
+        torch.testing.assert_close(logprobs, want[0])
+        torch.testing.assert_close(entropy, want[1])
+
+
+@given(
+    rows=st.integers(1, 9), hidden_size=st.integers(1, 7), vocab=st.integers(1, 45), padding=st.integers(0, 44),
+    chunk=st.integers(1, 50), softcap=st.sampled_from([None, 0.7, 30.0]), with_entropy=st.booleans(),
+    seed=st.integers(0, 100),
+)
+@settings(max_examples=40, deadline=None)
+def test_odd_sizes(rows, hidden_size, vocab, padding, chunk, softcap, with_entropy, seed):
+    check_against_float64(rows, hidden_size, vocab, max(1, vocab - padding), chunk, softcap, with_entropy, seed=seed)
+
+
+@pytest.mark.parametrize("rows, vocab, vocab_size, chunk", [(13, 1100, 1100, 2048), (13, 1100, 1030, 300), (5, 37, 37, 9)])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_kernels_in_float32(rows, vocab, vocab_size, chunk, softcap):
+    """The Triton kernels (interpreter on CPU) in float32: tiles of 4 x 1024 against chunks wider,
+    narrower and ragged."""
+    check_against_float64(rows, 8, vocab, vocab_size, chunk, softcap, True, dtype=torch.float32, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_half_precision_within_twice_the_pytorch_error(softcap):
+    """float16 (bf16 needs the GPU: tests/test_linear_logprobs_gpu.py): every output and gradient
+    within 2x the error of the unfused computation in PyTorch at the same precision, against
+    float64 of the same inputs."""
+    hidden, weight, upstream = problem(24, 32, 1500, dtype=torch.float16, scale=0.5)
+    targets = targets_for(24, 1400)
+    ours = run(lambda h, w: linear_logprobs_func(h, w, targets, vocab_size=1400, softcap=softcap, with_entropy=True,
+                                                 chunk_columns=512), hidden, weight, upstream)
+    pytorch = run(lambda h, w: unfused(h, w, targets, 1400, softcap), hidden, weight, upstream)
+    exact = run(lambda h, w: unfused(h, w, targets, 1400, softcap), hidden.double(), weight.double(), upstream)
+    for name, a, b, e in zip(("logprobs", "entropy", "d_hidden", "d_weight"), ours, pytorch, exact):
+        assert_within_twice_the_reference_error(name, a, b, e, 1e-4)
+
+
+class _LargestOutput(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_never_holds_the_logits_of_all_rows():
+    """No tensor made forward or backward is larger than a chunk of logits or the weight."""
+    rows, vocab, chunk = 50, 400, 40
+    hidden, weight, upstream = problem(rows, 6, vocab)
+    targets = targets_for(rows, vocab)
+    with _LargestOutput() as mode:
+        run(lambda h, w: linear_logprobs_func(h, w, targets, with_entropy=True, chunk_columns=chunk), hidden, weight,
+            upstream)
+    assert mode.largest <= max(rows * chunk, weight.numel()) < rows * vocab
+
+
+def test_no_rows():
+    hidden, weight, upstream = problem(0, 6, 40)
+    logprobs, entropy, d_hidden, d_weight = run(
+        lambda h, w: linear_logprobs_func(h, w, torch.zeros(0, dtype=torch.long), with_entropy=True), hidden, weight,
+        upstream)
+    assert logprobs.shape == entropy.shape == (0,) and d_hidden.shape == (0, 6)
+    assert torch.all(d_weight == 0)
+
+
+def test_matches_vocab_parallel_logprobs_on_the_logits():
+    """The logits-level entry point, on the logits this op never forms, gives the same numbers."""
+    hidden, weight, upstream = problem(11, 6, 40)
+    targets = targets_for(11, 40)
+    got = run(lambda h, w: linear_logprobs_func(h, w, targets, with_entropy=True, chunk_columns=16), hidden, weight,
+              upstream)
+    want = run(lambda h, w: vocab_parallel_logprobs(h @ w.T, targets, None, True), hidden, weight, upstream)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_inputs_name_the_argument():
+    hidden, weight, _ = problem(3, 4, 10)
+    targets = torch.tensor([0, 5, 9])
+    cases = [
+        (dict(hidden=hidden[0]), "hidden must be a .rows, hidden. tensor"),
+        (dict(weight=weight[None]), "weight must be a .vocabulary shard, hidden. tensor"),
+        (dict(weight=weight[:, :3]), "hidden has 4 features, weight 3"),
+        (dict(hidden=hidden.long()), "hidden must be float16, bfloat16, float32 or float64"),
+        (dict(weight=weight.float()), "differ in dtype or device"),
+        (dict(targets=targets[:2]), r"targets must have shape \(3,\)"),
+        (dict(targets=targets.double()), "targets must hold integer token ids"),
+        (dict(targets=torch.tensor([0, 10, 1])), "target id 10 is outside the vocabulary of 10"),
+        (dict(targets=torch.tensor([0, -1, 1])), "target id -1 is outside"),
+        (dict(vocab_size=8), r"target id 9 is outside the vocabulary of 8 \(ids from 8 on pad the vocabulary\)"),
+        (dict(vocab_size=11), r"vocab_size must be an int in \[1, 10\]"),
+        (dict(vocab_size=0), "vocab_size must be an int"),
+        (dict(softcap=0.0), "softcap must be positive"),
+        (dict(chunk_columns=0), "chunk_columns must be a positive int"),
+        (dict(with_entropy=1), "with_entropy must be a bool"),
+    ]
+    for change, message in cases:
+        args = dict(hidden=hidden, weight=weight, targets=targets)
+        args.update(change)
+        with pytest.raises(ValueError, match=message):
+            linear_logprobs_func(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
