@@ -2,7 +2,9 @@
 the vocabulary) against the unfused computation in float64: log-probs, entropies and the
 gradients of the hidden states and the weight under random upstream gradients, with softcaps,
 padded vocabularies, chunk edges and odd sizes; the Triton kernels (interpreter) in float32 and
-within twice PyTorch's float16 error."""
+within twice PyTorch's float16 error; and the model integration (hidden states of the predicting
+rows only) against the logits of every token, for dense, tied and softcapped models.
+Tensor parallelism: test_rl_logprobs.test_tensor_parallel_matches_one_rank."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,8 +12,11 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flash_check import assert_within_twice_the_reference_error
+from megatron_dualkv.mcore import DualKVPackedSeqParams
+from megatron_dualkv.models import build_model
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
-from megatron_dualkv.rl import vocab_parallel_logprobs
+from megatron_dualkv.rl import ResponseTokens, response_logprobs, vocab_parallel_logprobs
+from rollouts import make_batch
 
 
 def unfused(hidden, weight, targets, vocab_size=None, softcap=None):
@@ -110,7 +115,9 @@ def test_odd_sizes(rows, hidden_size, vocab, padding, chunk, softcap, with_entro
     check_against_float64(rows, hidden_size, vocab, max(1, vocab - padding), chunk, softcap, with_entropy, seed=seed)
 
 
-@pytest.mark.parametrize("rows, vocab, vocab_size, chunk", [(13, 1100, 1100, 2048), (13, 1100, 1030, 300), (5, 37, 37, 9)])
+@pytest.mark.parametrize("rows, vocab, vocab_size, chunk", [
+    (13, 1100, 1100, 2048), (13, 1100, 1030, 300), (5, 37, 37, 9),
+])
 @pytest.mark.parametrize("softcap", [None, 1.5])
 def test_kernels_in_float32(rows, vocab, vocab_size, chunk, softcap):
     """The Triton kernels (interpreter on CPU) in float32: tiles of 4 x 1024 against chunks wider,
@@ -202,3 +209,63 @@ def test_bad_inputs_name_the_argument():
         args.update(change)
         with pytest.raises(ValueError, match=message):
             linear_logprobs_func(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+
+
+# The model integration: the hidden states of the predicting rows only, against the logits of
+# every packed (or replicated) token selected afterwards, as before.
+
+@pytest.fixture(scope="module", params=["qwen3-tiny", "gemma3-tiny", "gemma4-tiny"])
+def model(request):
+    """Untied; tied to the embedding; tied with a final logit softcap."""
+    return build_model(request.param)
+
+
+def logprobs_from_all_logits(model, batch, layout):
+    """Every token's logits from a plain call of the model, then the rows that predict response tokens."""
+    tokens = ResponseTokens.from_layout(batch.layout)
+    if layout == "packed":
+        logits = model(batch.tokens[None], batch.position_ids[None], None,
+                       packed_seq_params=DualKVPackedSeqParams.from_layout(batch.layout))[0]
+        return vocab_parallel_logprobs(logits[tokens.predictor_index], batch.tokens[tokens.token_index], None, True)
+    sequences = [(p, r) for p, rs in zip(batch.layout.prompt_lens, batch.layout.response_lens) for r in rs]
+    rep = batch.replicated()
+    ids = torch.nn.utils.rnn.pad_sequence(rep.split(rep.tokens), batch_first=True)
+    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    rows = torch.cat([logits[i, p - 1 : p - 1 + r] for i, (p, r) in enumerate(sequences)])
+    return vocab_parallel_logprobs(rows, batch.tokens[tokens.token_index], None, True)
+
+
+@pytest.mark.parametrize("layout", ["packed", "replicated"])
+def test_model_log_probs_and_every_gradient_match_all_logits(model, layout):
+    batch = make_batch()
+    tokens = ResponseTokens.from_layout(batch.layout)
+    upstream = torch.randn(2, tokens.num_tokens, generator=torch.Generator().manual_seed(3))
+    results = []
+    for fn in (lambda: response_logprobs(model, batch, layout, with_entropy=True),
+               lambda: logprobs_from_all_logits(model, batch, layout)):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = fn()
+        ((upstream[0] * logprobs).sum() + (upstream[1] * entropy).sum()).backward()
+        results.append((logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    model.zero_grad(set_to_none=True)
+    (logprobs, entropy, grads), (want_logprobs, want_entropy, want_grads) = results
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-5, atol=2e-6)
+    for name, grad in want_grads.items():
+        # float32 sums in another order (attention and the MLP see other rows' gradients in
+        # another grouping): differences of a few 1e-7 of the tensor's largest element
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6 + 1e-5 * grad.abs().max().item(), msg=name)
+    tied = model.share_embeddings_and_output_weights
+    assert grads["embedding.word_embeddings.weight" if tied else "output_layer.weight"].abs().max() > 0
+
+
+def test_a_plain_call_still_returns_logits(model):
+    batch = make_batch()
+    params = DualKVPackedSeqParams.from_layout(batch.layout)
+    logits = model(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params)
+    hidden = model(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params, skip_output_layer=True)
+    assert logits.shape == (1, batch.num_tokens, model.vocab_size)
+    assert hidden.shape == (batch.num_tokens, 1, model.config.hidden_size)
+    with pytest.raises(ValueError, match="cannot compute the loss of labels"):
+        model(batch.tokens[None], batch.position_ids[None], None, labels=batch.tokens[None], packed_seq_params=params,
+              skip_output_layer=True)
