@@ -212,8 +212,8 @@ def build_policy(args: argparse.Namespace) -> Policy:
     vocab_size = model.vocab_size
     cost = CostModel.from_config(config, vocab_size)
     token_multiple = current_parallel_sizes(config).token_multiple
-    # No Float16Module around a bf16 model: it would upcast all [tokens, vocab] logits to fp32,
-    # while the log-prob code upcasts only the rows that predict response tokens.
+    # No Float16Module around a bf16 model: it would upcast the last stage's output (the final
+    # hidden states, [tokens, hidden]) to fp32, which the log-prob code casts back to bf16.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
     ddp = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(

@@ -6,9 +6,10 @@ Scenarios run one after the other in the same world, each on fresh Megatron para
 each saves its results to ``OUT_DIR/<scenario>.rank<r>.pt``; a scenario that raises saves its
 traceback instead and ends the rank, so that the others fail fast instead of waiting for it.
 
-* ``tp2``: the tiny dense model at tp=2 without sequence parallelism (log-probs, GRPO gradients)
-  and vocab_parallel_logprobs on a shard of fixed logits; ``ep2``: the tiny MoE model at ep=2 on
-  the packed and replicated layouts (test_rl_logprobs).
+* ``tp2``: the tiny dense model at tp=2 without sequence parallelism (log-probs, GRPO gradients),
+  vocab_parallel_logprobs on a shard of fixed logits, and linear_logprobs_func on a shard of a
+  fixed weight (``FUSED_CASES``: padded vocabularies, one leaving rank 1 all padding); ``ep2``:
+  the tiny MoE model at ep=2 on the packed and replicated layouts (test_rl_logprobs).
 * ``PARALLEL_RUNS``: a policy-update step through Megatron's DDP and schedule (test_parallel): the
   per-response results every rank returns (and forward_logprobs on the packed and the replicated
   layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
@@ -31,6 +32,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import build_model
 from megatron_dualkv.models.hf_export import _global_name  # the single-rank model's name of a parameter
+from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
 from megatron_dualkv.rl import (
     GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, vocab_parallel_logprobs,
 )
@@ -74,6 +76,10 @@ PARALLEL_RUNS = {
     "moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2)),
     "moe_pp2": ParallelRun("qwen3-moe-tiny", 2, dict(pp=2)),
     "moe_cp2": ParallelRun("qwen3-moe-tiny", 2, dict(cp=2)),
+    # output layer tied to the embedding: under PP the last stage's copy of it, summed with the
+    # first stage's by finalize_model_grads
+    "gemma3_tp2_sp": ParallelRun("gemma3-tiny", 2, dict(tp=2)),
+    "gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2)),
     "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
     "moe_pp2_tp2": ParallelRun("qwen3-moe-tiny", 4, dict(pp=2, tp=2)),
     "moe_tp2_ep2_etp1_dp2": ParallelRun("qwen3-moe-tiny", 4, dict(tp=2, ep=2, etp=1)),
@@ -129,10 +135,13 @@ def unpadded_error(model, sizes: ParallelSizes):
 
 def parameter_pieces(chunks) -> Dict[str, Dict]:
     """Every parameter of this rank under its name in the whole model (global layer and expert
-    numbers), with its gradient and, when split by tensor parallelism, how."""
+    numbers; a tied output layer's copy on the last pipeline stage under the embedding's name),
+    with its gradient and, when split by tensor parallelism, how."""
     pieces = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
+            if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+                name = "embedding.word_embeddings.weight"
             expert = ".experts." in name
             split = None
             if getattr(param, "tensor_model_parallel", False):
@@ -150,6 +159,31 @@ def fixed_logits_and_targets():
     return 3 * torch.randn(7, 256, generator=g), torch.randint(0, 256, (7,), generator=g)
 
 
+# linear_logprobs_func at tp=2: (vocab_size, softcap) over a weight of 2 x 24 rows, 9 columns per chunk
+FUSED_CASES = [(48, None), (41, 3.0), (20, 3.0)]
+
+
+def fixed_projection(vocab_size):
+    """float64 hidden states (7, 5), weight (48, 5), targets in [0, vocab_size) and upstream gradients."""
+    g = torch.Generator().manual_seed(VOCAB_LOGITS_SEED)
+    hidden, weight = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((7, 5), (48, 5)))
+    targets = torch.randint(0, vocab_size, (7,), generator=g)
+    return hidden, weight, targets, torch.randn(2, 7, generator=g, dtype=torch.float64)
+
+
+def fused_projection(hidden, weight, targets, upstream, vocab_size, softcap, tp_group=None):
+    """(log-probs, entropy, d hidden, d weight) of linear_logprobs_func on this rank's weight shard;
+    the hidden gradient summed over the ranks as Megatron's output layer sums it."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    shared = h if tp_group is None else copy_to_tensor_model_parallel_region(h, group=tp_group)
+    logprobs, entropy = linear_logprobs_func(shared, w, targets, tp_group=tp_group, vocab_size=vocab_size,
+                                             softcap=softcap, with_entropy=True, chunk_columns=9)
+    ((upstream[0] * logprobs).sum() + (upstream[1] * entropy).sum()).backward()
+    return logprobs.detach(), entropy.detach(), h.grad, w.grad
+
+
 def tp2():
     model = build_model("qwen3-tiny", tp=2, sp=False)
     batch = make_batch()
@@ -164,7 +198,14 @@ def tp2():
     return dict(
         packed=packed, replicated=replicated, final_norm_grad=model.decoder.final_layernorm.weight.grad,
         output_grad=model.output_layer.weight.grad, vocab_logprobs=logprobs, vocab_entropy=entropy, vocab_grad=shard.grad,
+        fused=[fused_projection_of_shard(rank, *case) for case in FUSED_CASES],
     )
+
+
+def fused_projection_of_shard(rank, vocab_size, softcap):
+    hidden, weight, targets, upstream = fixed_projection(vocab_size)
+    return fused_projection(hidden, weight[rank * 24 : (rank + 1) * 24], targets, upstream, vocab_size, softcap,
+                            parallel_state.get_tensor_model_parallel_group())
 
 
 def ep2():

@@ -121,8 +121,9 @@ def run_two_ranks(scenario, tmp_path):
 @two_cpu_ranks
 def test_tensor_parallel_matches_one_rank(dense, tmp_path):
     """tp=2 (same seed, so the same full weights): log-probs, GRPO gradients of a replicated and a
-    vocab-split parameter, and vocab_parallel_logprobs against the full-vocabulary softmax."""
-    from distributed_worker import fixed_logits_and_targets
+    vocab-split parameter, vocab_parallel_logprobs against the full-vocabulary softmax, and
+    linear_logprobs_func on weight shards against one rank with the whole weight."""
+    from distributed_worker import FUSED_CASES, fixed_logits_and_targets, fixed_projection, fused_projection
     from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward
     from rollouts import perturbed
 
@@ -147,6 +148,15 @@ def test_tensor_parallel_matches_one_rank(dense, tmp_path):
         torch.testing.assert_close(result["vocab_logprobs"], logprobs)
         torch.testing.assert_close(result["vocab_entropy"], entropy)
     torch.testing.assert_close(torch.cat([r["vocab_grad"] for r in ranks], dim=1), logits.grad)
+
+    for case, (vocab_size, softcap) in enumerate(FUSED_CASES):
+        logprobs, entropy, d_hidden, d_weight = fused_projection(*fixed_projection(vocab_size), vocab_size, softcap)
+        for result in ranks:
+            got = result["fused"][case]
+            torch.testing.assert_close(got[0], logprobs, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[1], entropy, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[2], d_hidden, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.cat([r["fused"][case][3] for r in ranks]), d_weight, rtol=1e-12, atol=1e-12)
 
 
 @two_cpu_ranks

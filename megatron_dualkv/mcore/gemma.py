@@ -381,7 +381,7 @@ class GemmaGPTModel(DualKVGPTModel):
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         cap = self.final_logit_softcapping
-        if cap is None:
+        if cap is None or self._skip_output_layer:  # no logits to cap (linear_logprobs_func caps its own)
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
         logits = super()._postprocess(hidden_states, input_ids, position_ids, None, *args, **kwargs)
         if not self.post_process:
