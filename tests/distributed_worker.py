@@ -12,7 +12,7 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
 * ``PARALLEL_RUNS``: a policy-update step through Megatron's DDP and schedule (test_parallel): the
   per-response results every rank returns (and forward_logprobs on the packed and the replicated
   layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
-  that the test assembles into full tensors.
+  that the test assembles into full tensors. Among them a layer count that pp splits unevenly.
 """
 import math
 import os
@@ -67,6 +67,7 @@ PARALLEL_RUNS = {
     "dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True)),
     "dense_pp2": ParallelRun("qwen3-tiny", 2, dict(pp=2)),
     "dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4)),
+    "dense_pp2_three_layers": ParallelRun("qwen3-tiny", 2, dict(pp=2), dict(num_layers=3)),
     "dense_cp2": ParallelRun("qwen3-tiny", 2, dict(cp=2)),
     "dense_cp2_one_kv_head": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_query_groups=1)),
     "dense_cp2_three_kv_heads": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_attention_heads=6, num_query_groups=3)),

@@ -15,7 +15,7 @@ from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
 from ..mcore.layer_specs import transformer_engine_available
 from ..mcore.multi_tensor import use_foreach_multi_tensor_ops
-from ..mcore.parallel import ParallelSizes, check_model_split, initialize_parallel_state
+from ..mcore.parallel import ParallelSizes, check_model_split, initialize_parallel_state, pipeline_stage_fields
 from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
@@ -60,7 +60,11 @@ def build_model(
         turned into Megatron's parallel state by ``megatron_dualkv.mcore.parallel``; a world
         larger than one process is the launcher's (torchrun), whose process group is joined.
         Under pp > 1 this rank's stage is built; with vpp > 1 the result is the list of its vpp
-        model chunks (Megatron's model-chunk list, as the interleaved schedule takes it).
+        model chunks (Megatron's model-chunk list, as the interleaved schedule takes it). A layer
+        count that does not divide by pp*vpp is split unevenly (``pipeline_stage_fields``: e.g.
+        62 layers over pp=4 as 15, 16, 16, 15); the overrides
+        ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` or
+        ``pipeline_model_parallel_layout`` choose the split instead.
     dtype: parameter dtype (default: the card's ``torch_dtype``, float32 if it has none).
     seed: Megatron's model-parallel RNG seed. The same seed gives the same weights at any tp, but
         not across pp/ep layouts (each stage or expert rank draws for its own layers): to compare
@@ -148,6 +152,7 @@ def build_transformer_config(
         # time to a step that host time already binds (PERF_NOTES.md, run L).
         kwargs["bias_activation_fusion"] = True
     kwargs.update(overrides)
+    kwargs.update(pipeline_stage_fields(kwargs["num_layers"], sizes, kwargs))
     return family.config_class(**kwargs)
 
 

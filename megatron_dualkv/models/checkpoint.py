@@ -133,12 +133,12 @@ def hf_to_megatron(
     """Convert a Hugging Face checkpoint folder into a Megatron checkpoint folder ``out_dir``.
 
     tp, pp, ep: the parallel sizes the checkpoint is meant for: checked against the model (heads,
-    vocabulary, layers and experts must split that many ways) and recorded. The stored tensors
-    are global, so it loads at any sizes. text_only: convert the text decoder of a multimodal
-    checkpoint (``model.language_model.*`` tensors), leaving the vision tower out. card: the model
-    card to build from instead of the folder's ``config.json`` (e.g. ``"gemma3-27b"``: published
-    multimodal configs leave out the fields that take transformers' defaults); it becomes the
-    checkpoint's ``config.json``.
+    vocabulary and experts must split that many ways, layers over pp as ``build_model`` splits
+    them) and recorded. The stored tensors are global, so it loads at any sizes.
+    text_only: convert the text decoder of a multimodal checkpoint (``model.language_model.*``
+    tensors), leaving the vision tower out. card: the model card to build from instead of the
+    folder's ``config.json`` (e.g. ``"gemma3-27b"``: published multimodal configs leave out the
+    fields that take transformers' defaults); it becomes the checkpoint's ``config.json``.
 
     ValueError, before anything is written, for a model no family supports, missing, unexpected
     or misshapen tensors. ``out_dir`` must not exist; it appears only once complete.
