@@ -1,14 +1,25 @@
-"""Real layer counts in one process: the uneven pipeline split (``pipeline_stage_fields``) as
-Megatron's own ``get_num_layers_to_build`` and ``get_transformer_layer_offset`` place it, and the
-splits Megatron cannot run refused by field. On two gloo ranks: test_parallel (gradients at pp=2
-over 3 layers)."""
+"""Real layer counts and vocabularies in one process: the uneven pipeline split
+(``pipeline_stage_fields``) as Megatron's own ``get_num_layers_to_build`` and
+``get_transformer_layer_offset`` place it, the splits Megatron cannot run refused by field, the
+vocabulary padded for tensor parallelism, and a padded model against transformers. The same on
+two gloo ranks: test_parallel (gradients at pp=2 over 3 layers, at tp=2 with a padded vocabulary),
+test_export_hf_weights and test_convert_checkpoint (transformers' log-probs at pp=2 over 3 Qwen3
+and 5 Gemma 3 layers, and at tp=2 with 300 tokens)."""
+import json
+
 import pytest
 import torch
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_dualkv.mcore import ParallelSizes
-from megatron_dualkv.models import FAMILIES, build_transformer_config, load_card
+from megatron_dualkv.mcore.parallel import padded_vocab_size
+from megatron_dualkv.models import (
+    FAMILIES, ModelCard, build_model, build_transformer_config, load_card, load_megatron_state_dict,
+)
+from megatron_dualkv.rl import forward_logprobs
+from rollouts import device_of, make_batch, max_abs_diff
+from test_hf_state_dicts import SHAPES, hf_model, hf_response_logprobs
 
 FIRST, LAST = "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"
 
@@ -83,3 +94,53 @@ def test_explicit_stage_layers_and_layout_are_kept():
 def test_splits_megatron_cannot_run_are_refused(card, pp, vpp, overrides, message):
     with pytest.raises(ValueError, match=message):
         config_at(card, pp, vpp, **overrides)
+
+
+@pytest.mark.parametrize("vocab_size, tp, divisor, padded", [
+    (262208, 1, 128, 262272), (262208, 2, 128, 262400), (262208, 8, 128, 263168),  # Gemma 3
+    (151936, 1, 128, 151936), (151936, 2, 128, 152064), (151936, 8, 128, 152576),  # Qwen3
+    (262144, 8, 128, 262144),  # Gemma 4: a power of two
+    (255, 1, 1, 255), (255, 2, 1, 256), (300, 1, 128, 384), (300, 2, 128, 512),
+])
+def test_padded_vocab_size(vocab_size, tp, divisor, padded):
+    assert padded_vocab_size(vocab_size, tp, divisor) == padded
+
+
+def test_padded_model_keeps_the_real_vocabulary(tmp_path):
+    path = tmp_path / "odd-vocab.json"
+    path.write_text(json.dumps({**load_card("qwen3-tiny").config, "vocab_size": 255}))
+    model = build_model(path)
+    assert (model.vocab_size, model.unpadded_vocab_size) == (256, 255)
+    assert model.embedding.word_embeddings.weight.shape[0] == model.output_layer.weight.shape[0] == 256
+    assert build_model(path, make_vocab_size_divisible_by=1).vocab_size == 255
+    with pytest.raises(ValueError, match="make_vocab_size_divisible_by must be a positive int, got 0"):
+        build_model(path, make_vocab_size_divisible_by=0)
+    batch = make_batch()
+    batch.tokens[0] = 255
+    with pytest.raises(ValueError, match=r"token id 255 is outside the model's vocabulary of 255"):
+        forward_logprobs(model, batch)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "gemma4-tiny"])  # untied; tied with Gemma 4's final logit softcap
+def test_padded_model_gives_the_hugging_face_log_probs(name):
+    """300 tokens, 384 rows: the padded rows are zeros after loading, count in no softmax (even made
+    the largest logits) and are left out on the way back to Hugging Face."""
+    config = load_card(name).config
+    vocab_fields = [key for key in ("vocab_size", "vocab_size_per_layer_input") if key in config]
+    card = ModelCard(name, {**config, **dict.fromkeys(vocab_fields, 300)})
+    family = FAMILIES[card.model_type]
+    ours = build_model(card).eval()
+    hf = hf_model(card).to(device_of(ours))
+    load_megatron_state_dict(ours, family.hf_to_megatron(card, ours.config, hf.state_dict()))
+    assert ours.vocab_size == 384 and not ours.embedding.word_embeddings.weight[300:].any()
+    output = ours.output_layer.weight if ours.output_layer.weight is not None else ours.embedding.word_embeddings.weight
+    with torch.no_grad():
+        output[300:] = 50 * output[:300].abs().max() * torch.sign(torch.randn_like(output[300:]))
+    batch = make_batch(SHAPES).to(device_of(ours))
+    want = hf_response_logprobs(hf, batch)
+    with torch.no_grad():
+        assert max_abs_diff(forward_logprobs(ours, batch), want) < 1e-5
+        assert max_abs_diff(forward_logprobs(ours, batch, "replicated"), want) < 1e-5
+    back = family.megatron_to_hf(card, ours.config, ours.state_dict())
+    for hf_name, tensor in hf.state_dict().items():
+        assert torch.equal(back[hf_name], tensor), hf_name

@@ -190,13 +190,6 @@ def test_bad_build_arguments(args, kwargs, error, message):
         build_model(*args, **kwargs)
 
 
-def test_vocab_must_split_over_tp(tmp_path):
-    path = tmp_path / "odd-vocab.json"
-    path.write_text(json.dumps({**load_card("qwen3-tiny").config, "vocab_size": 255}))
-    with pytest.raises(ValueError, match=r"vocab_size \(255\) is not divisible by tp \(2\)"):
-        build_model(path, tp=2)
-
-
 def test_dense_models_fuse_their_swiglu_on_gpu(monkeypatch):
     """The GPU config asks Megatron for its fused SwiGLU (where only the config can show it here);
     not for experts, nor for Gemma's GeGLU (GemmaMLP fuses that), nor on CPU."""

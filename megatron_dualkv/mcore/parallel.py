@@ -11,9 +11,11 @@ the ``ParallelPlan`` (including dp) that launch scripts use; ``ParallelSizes`` g
 sizes: in a plain single process it starts a world of one (gloo on CPU, nccl on GPU), under
 torchrun it joins the launched world.
 
-Layer counts that do not divide: ``pipeline_stage_fields`` splits a layer count that pp does not
-divide with Megatron's own uneven-split fields (``num_layers_in_first_pipeline_stage`` /
-``num_layers_in_last_pipeline_stage``), and checks those fields when the caller sets them.
+Layer counts and vocabularies that do not divide: ``pipeline_stage_fields`` splits a layer count
+that pp does not divide with Megatron's own uneven-split fields
+(``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``), and checks those
+fields when the caller sets them; ``padded_vocab_size`` is Megatron-LM's vocabulary padding for
+tensor parallelism.
 
 Context parallelism is DualKV's own (Ulysses, ``megatron_dualkv.mcore.context_parallel``): the
 context-parallel group of Megatron's ``parallel_state`` has ``cp`` ranks, so DDP,
@@ -163,7 +165,7 @@ def plan_for_world(sizes: ParallelSizes, world_size: int) -> ParallelPlan:
     return ParallelPlan(sizes=sizes, world_size=world_size, dp=dp, expert_dp=stage_ranks // expert_ranks)
 
 
-def check_model_split(config, vocab_size: int, sizes: ParallelSizes) -> None:
+def check_model_split(config, sizes: ParallelSizes) -> None:
     """ValueError when a model of ``config`` cannot be split ``sizes`` ways (what Megatron would
     only assert, or find out in the middle of a forward)."""
     heads_split = sizes.tp * sizes.cp
@@ -172,8 +174,6 @@ def check_model_split(config, vocab_size: int, sizes: ParallelSizes) -> None:
             f"num_attention_heads ({config.num_attention_heads}) is not divisible by tp*cp ({heads_split}): "
             "tensor parallelism and then Ulysses context parallelism split the attention heads"
         )
-    if vocab_size % sizes.tp:
-        raise ValueError(f"vocab_size ({vocab_size}) is not divisible by tp ({sizes.tp})")
     if config.num_moe_experts and config.num_moe_experts % sizes.ep:
         raise ValueError(f"num_moe_experts ({config.num_moe_experts}) is not divisible by ep ({sizes.ep})")
     if config.num_moe_experts and sizes.tp > 1 and not sizes.sp:
@@ -284,6 +284,17 @@ def _check_layout_chunks(layout, sizes: ParallelSizes) -> None:
             f"pipeline_model_parallel_layout has {chunks} model chunk(s) per pipeline stage, but build_model was given "
             f"vpp={sizes.vpp}: pass vpp={chunks if chunks > 1 else None}"
         )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
+    """Megatron-LM's padded vocabulary: the smallest multiple of ``make_vocab_size_divisible_by * tp``
+    that holds ``vocab_size`` (itself when it already is one). The padded rows of the embedding
+    and the output layer are never a token: log-probs leave them out of every softmax."""
+    divisor = make_vocab_size_divisible_by
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"make_vocab_size_divisible_by must be a positive int, got {divisor!r}")
+    multiple = divisor * tp
+    return -(-vocab_size // multiple) * multiple
 
 
 def current_parallel_sizes(config=None) -> ParallelSizes:

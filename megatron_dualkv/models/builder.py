@@ -15,7 +15,13 @@ from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
 from ..mcore.layer_specs import transformer_engine_available
 from ..mcore.multi_tensor import use_foreach_multi_tensor_ops
-from ..mcore.parallel import ParallelSizes, check_model_split, initialize_parallel_state, pipeline_stage_fields
+from ..mcore.parallel import (
+    ParallelSizes,
+    check_model_split,
+    initialize_parallel_state,
+    padded_vocab_size,
+    pipeline_stage_fields,
+)
 from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
@@ -48,6 +54,7 @@ def build_model(
     dtype: Optional[torch.dtype] = None,
     seed: int = 1234,
     use_transformer_engine: Optional[bool] = None,
+    make_vocab_size_divisible_by: int = 128,
     **overrides: Any,
 ) -> Union[DualKVGPTModel, List[DualKVGPTModel]]:
     """Build the Megatron-Core model of ``card`` for the DualKV packed layout.
@@ -71,6 +78,11 @@ def build_model(
         layouts, start them from one checkpoint (``save_model`` / ``load_model``).
     use_transformer_engine: None picks the TE spec when transformer_engine imports, CUDA is
         available and the family has one (Gemma has not), else the torch-native local spec.
+    make_vocab_size_divisible_by: the embedding and output layer have the card's vocabulary
+        padded to a multiple of this times tp, as Megatron-LM pads it (``padded_vocab_size``;
+        1: a multiple of tp only). The model's ``vocab_size`` is the padded size,
+        ``unpadded_vocab_size`` the card's; the padded rows are no token, and the log-probs leave
+        them out of every softmax.
     overrides: ``TransformerConfig`` fields replacing the card's (e.g. ``num_layers=2``,
         ``moe_aux_loss_coeff=0.0``).
 
@@ -90,8 +102,11 @@ def build_model(
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
     config = build_transformer_config(card, family, sizes, _param_dtype(card, dtype), use_transformer_engine, overrides)
+    check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
-    check_model_split(config, model_kwargs["vocab_size"], sizes)
+    vocab_size = model_kwargs["vocab_size"]
+    padded = padded_vocab_size(vocab_size, tp, make_vocab_size_divisible_by)
+    model_kwargs.update(vocab_size=padded, unpadded_vocab_size=vocab_size)
     initialize_parallel_state(sizes, seed)
     chunks = [_pipeline_chunk(family, config, use_transformer_engine, model_kwargs, vp_stage) for vp_stage in range(sizes.vpp or 1)]
     return chunks if sizes.vpp else chunks[0]
