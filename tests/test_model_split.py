@@ -49,8 +49,8 @@ def megatron_placement(config):
     ("gemma3-27b", 62, 8, None, (7, 8, 8, 8, 8, 8, 8, 7)),
     ("gemma4-31b", 60, 8, None, (6, 8, 8, 8, 8, 8, 8, 6)),
     ("gemma4-31b", 60, 4, None, (15, 15, 15, 15)),  # divides: Megatron's own even split
-    ("qwen3-8b", 36, 5, None, (6, 8, 8, 8, 6)),
-    ("qwen3-8b", 61, 4, None, (15, 16, 16, 14)),  # the last stage, with the output layer, the lightest
+    ("qwen3-4b", 36, 5, None, (6, 8, 8, 8, 6)),
+    ("qwen3-4b", 61, 4, None, (15, 16, 16, 14)),  # the last stage, with the output layer, the lightest
     ("qwen3-tiny", 5, 4, None, (2, 1, 1, 1)),
     ("qwen3-tiny", 3, 2, None, (2, 1)),
     ("qwen3-tiny", 6, 2, 2, (4, 2)),  # interleaved: two chunks of 2 layers, two of 1
