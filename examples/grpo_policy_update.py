@@ -209,8 +209,8 @@ def build_policy(args: argparse.Namespace) -> Policy:
     config = model.config
     if (config.bf16 or config.fp16) and not on_gpu:
         raise InputError(f"{args.model} is {config.params_dtype}: Megatron's mixed-precision optimizer needs CUDA; pass --dtype float32")
-    vocab_size = model.vocab_size
-    cost = CostModel.from_config(config, vocab_size)
+    vocab_size = model.unpadded_vocab_size  # what token ids are checked against
+    cost = CostModel.from_config(config, model.vocab_size)  # the output layer computes its padded rows too
     token_multiple = current_parallel_sizes(config).token_multiple
     # No Float16Module around a bf16 model: it would upcast the last stage's output (the final
     # hidden states, [tokens, hidden]) to fp32, which the log-prob code casts back to bf16.

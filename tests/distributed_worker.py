@@ -13,7 +13,8 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
 * ``PARALLEL_RUNS``: a policy-update step through Megatron's DDP and schedule (test_parallel): the
   per-response results every rank returns (and forward_logprobs on the packed and the replicated
   layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
-  that the test assembles into full tensors.
+  that the test assembles into full tensors. Among them a layer count that pp splits unevenly
+  and a vocabulary that tp pads to another size than one process does.
 """
 import math
 import os
@@ -30,7 +31,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from megatron_dualkv.mcore import ParallelSizes
-from megatron_dualkv.models import build_model
+from megatron_dualkv.models import ModelCard, build_model, load_card
 from megatron_dualkv.models.hf_export import _global_name  # the single-rank model's name of a parameter
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
 from megatron_dualkv.rl import (
@@ -47,6 +48,8 @@ MICRO_BATCH_SHAPES = [
     [(3, [1]), (9, [2, 7, 3, 1]), (2, [4])],
 ]
 LOSS = GRPOLoss(clip_eps=0.2, kl_coef=0.05)
+# 300 tokens: the embedding and output layer have 384 rows in one process, 512 at tp=2
+VOCAB_300 = ModelCard("qwen3-tiny-vocab300", {**load_card("qwen3-tiny").config, "vocab_size": 300})
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ PARALLEL_RUNS = {
     "dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True)),
     "dense_pp2": ParallelRun("qwen3-tiny", 2, dict(pp=2)),
     "dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4)),
+    "dense_pp2_three_layers": ParallelRun("qwen3-tiny", 2, dict(pp=2), dict(num_layers=3)),
+    "dense_tp2_padded_vocab": ParallelRun(VOCAB_300, 2, dict(tp=2)),
     "dense_cp2": ParallelRun("qwen3-tiny", 2, dict(cp=2)),
     "dense_cp2_one_kv_head": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_query_groups=1)),
     "dense_cp2_three_kv_heads": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_attention_heads=6, num_query_groups=3)),
@@ -154,6 +159,9 @@ def parameter_pieces(chunks) -> Dict[str, Dict]:
     return pieces
 
 
+VOCAB_SIZES = (None, 200, 100)
+
+
 def fixed_logits_and_targets():
     g = torch.Generator().manual_seed(VOCAB_LOGITS_SEED)
     return 3 * torch.randn(7, 256, generator=g), torch.randint(0, 256, (7,), generator=g)
@@ -192,12 +200,17 @@ def tp2():
     forward_backward(model, [RLMicroBatch(batch, old_logprobs=perturbed(packed, 0.05))], GRPOLoss())
     logits, targets = fixed_logits_and_targets()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    shard = logits[:, rank * 128 : (rank + 1) * 128].clone().requires_grad_()
-    logprobs, entropy = vocab_parallel_logprobs(shard, targets, parallel_state.get_tensor_model_parallel_group(), True)
-    (logprobs.sum() + 0.5 * entropy.sum()).backward()
+    vocab = {}
+    for vocab_size in VOCAB_SIZES:  # None: all 256 columns; 200: rank 1's shard partly padding; 100: all of it
+        shard = logits[:, rank * 128 : (rank + 1) * 128].clone().requires_grad_()
+        logprobs, entropy = vocab_parallel_logprobs(
+            shard, targets % (vocab_size or 256), parallel_state.get_tensor_model_parallel_group(), True, vocab_size
+        )
+        (logprobs.sum() + 0.5 * entropy.sum()).backward()
+        vocab[vocab_size] = dict(logprobs=logprobs, entropy=entropy, grad=shard.grad)
     return dict(
         packed=packed, replicated=replicated, final_norm_grad=model.decoder.final_layernorm.weight.grad,
-        output_grad=model.output_layer.weight.grad, vocab_logprobs=logprobs, vocab_entropy=entropy, vocab_grad=shard.grad,
+        output_grad=model.output_layer.weight.grad, vocab=vocab,
         fused=[fused_projection_of_shard(rank, *case) for case in FUSED_CASES],
     )
 

@@ -43,9 +43,19 @@ class DualKVGPTModel(GPTModel):
     """``GPTModel`` for DualKV packed micro-batches (``packed_seq_params=DualKVPackedSeqParams``).
 
     Without packed params it is a plain ``GPTModel`` (the replicated baseline runs that way).
+
+    vocab_size: the rows of the embedding and output layer, padded for tensor parallelism
+    (``megatron_dualkv.mcore.parallel.padded_vocab_size``); unpadded_vocab_size: the tokens among
+    them (default: all), what token ids and the log-probs' softmax range over.
     """
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, pg_collection=None, **kwargs):
+    def __init__(
+        self, config, transformer_layer_spec, vocab_size, max_sequence_length, pg_collection=None,
+        *, unpadded_vocab_size: Optional[int] = None, **kwargs,
+    ):
+        unpadded_vocab_size = vocab_size if unpadded_vocab_size is None else unpadded_vocab_size
+        if not 1 <= unpadded_vocab_size <= vocab_size:
+            raise ValueError(f"unpadded_vocab_size ({unpadded_vocab_size}) must be in 1 .. vocab_size ({vocab_size})")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         context_parallel_group = pg_collection.cp
@@ -56,6 +66,7 @@ class DualKVGPTModel(GPTModel):
         self.context_parallel_group = context_parallel_group
         # set by forward for the duration of one call: GPTModel.forward hands _postprocess fixed arguments
         self._skip_output_layer = False
+        self.unpadded_vocab_size = unpadded_vocab_size
         if self.position_embedding_type in ("yarn", "mrope"):
             raise ValueError(f"DualKVGPTModel supports rope, learned_absolute or no position embedding, got {self.position_embedding_type!r}")
         if self.position_embedding_type == "rope" and config.apply_rope_fusion:

@@ -15,7 +15,13 @@ from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
 from ..mcore.layer_specs import transformer_engine_available
 from ..mcore.multi_tensor import use_foreach_multi_tensor_ops
-from ..mcore.parallel import ParallelSizes, check_model_split, initialize_parallel_state
+from ..mcore.parallel import (
+    ParallelSizes,
+    check_model_split,
+    initialize_parallel_state,
+    padded_vocab_size,
+    pipeline_stage_fields,
+)
 from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
@@ -48,6 +54,7 @@ def build_model(
     dtype: Optional[torch.dtype] = None,
     seed: int = 1234,
     use_transformer_engine: Optional[bool] = None,
+    make_vocab_size_divisible_by: int = 128,
     **overrides: Any,
 ) -> Union[DualKVGPTModel, List[DualKVGPTModel]]:
     """Build the Megatron-Core model of ``card`` for the DualKV packed layout.
@@ -60,13 +67,22 @@ def build_model(
         turned into Megatron's parallel state by ``megatron_dualkv.mcore.parallel``; a world
         larger than one process is the launcher's (torchrun), whose process group is joined.
         Under pp > 1 this rank's stage is built; with vpp > 1 the result is the list of its vpp
-        model chunks (Megatron's model-chunk list, as the interleaved schedule takes it).
+        model chunks (Megatron's model-chunk list, as the interleaved schedule takes it). A layer
+        count that does not divide by pp*vpp is split unevenly (``pipeline_stage_fields``: e.g.
+        62 layers over pp=4 as 15, 16, 16, 15); the overrides
+        ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` or
+        ``pipeline_model_parallel_layout`` choose the split instead.
     dtype: parameter dtype (default: the card's ``torch_dtype``, float32 if it has none).
     seed: Megatron's model-parallel RNG seed. The same seed gives the same weights at any tp, but
         not across pp/ep layouts (each stage or expert rank draws for its own layers): to compare
         layouts, start them from one checkpoint (``save_model`` / ``load_model``).
     use_transformer_engine: None picks the TE spec when transformer_engine imports, CUDA is
         available and the family has one (Gemma has not), else the torch-native local spec.
+    make_vocab_size_divisible_by: the embedding and output layer have the card's vocabulary
+        padded to a multiple of this times tp, as Megatron-LM pads it (``padded_vocab_size``;
+        1: a multiple of tp only). The model's ``vocab_size`` is the padded size,
+        ``unpadded_vocab_size`` the card's; the padded rows are no token, and the log-probs leave
+        them out of every softmax.
     overrides: ``TransformerConfig`` fields replacing the card's (e.g. ``num_layers=2``,
         ``moe_aux_loss_coeff=0.0``).
 
@@ -86,8 +102,11 @@ def build_model(
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
     config = build_transformer_config(card, family, sizes, _param_dtype(card, dtype), use_transformer_engine, overrides)
+    check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
-    check_model_split(config, model_kwargs["vocab_size"], sizes)
+    vocab_size = model_kwargs["vocab_size"]
+    padded = padded_vocab_size(vocab_size, tp, make_vocab_size_divisible_by)
+    model_kwargs.update(vocab_size=padded, unpadded_vocab_size=vocab_size)
     initialize_parallel_state(sizes, seed)
     chunks = [_pipeline_chunk(family, config, use_transformer_engine, model_kwargs, vp_stage) for vp_stage in range(sizes.vpp or 1)]
     return chunks if sizes.vpp else chunks[0]
@@ -148,6 +167,7 @@ def build_transformer_config(
         # time to a step that host time already binds (PERF_NOTES.md, run L).
         kwargs["bias_activation_fusion"] = True
     kwargs.update(overrides)
+    kwargs.update(pipeline_stage_fields(kwargs["num_layers"], sizes, kwargs))
     return family.config_class(**kwargs)
 
 

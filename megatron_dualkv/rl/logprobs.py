@@ -43,22 +43,37 @@ LAYOUTS = ("packed", "replicated")
 
 
 def vocab_parallel_logprobs(
-    logits: Tensor, targets: Tensor, tp_group: Optional[dist.ProcessGroup] = None, with_entropy: bool = False
+    logits: Tensor,
+    targets: Tensor,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    with_entropy: bool = False,
+    vocab_size: Optional[int] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """log p(target) and (optionally) the entropy of each row, from this rank's vocabulary shard.
 
     logits: (N, V/tp), the shard of rank r covers token ids ``[r*V/tp, (r+1)*V/tp)`` (Megatron's
-    ``VocabUtility``); targets: (N,) global token ids. Returns (N,) tensors in float32 (float64
-    for float64 logits): half-precision logits are upcast before the softmax.
+    ``VocabUtility``); targets: (N,) global token ids. vocab_size: the real vocabulary when V is
+    padded for tensor parallelism (the model's ``unpadded_vocab_size``): columns from it on are
+    no token, count in no softmax (max, sum of exponentials, entropy) and get zero gradient.
+    Returns (N,) tensors in float32 (float64 for float64 logits): half-precision logits are
+    upcast before the softmax.
     """
     world = 1 if tp_group is None else tp_group.size()
     shard = logits.shape[-1]
-    row_max = logits.detach().max(dim=-1).values.to(torch.promote_types(logits.dtype, torch.float32))  # a shift only
+    offset = 0 if world == 1 else tp_group.rank() * shard
+    if vocab_size is not None:
+        # a slice, so the padded columns' gradient is zero; a shard of padding only keeps an empty
+        # one, so that every rank's backward still reaches the output layer's collectives
+        logits = logits[..., : max(0, min(shard, vocab_size - offset))]
+    sum_type = torch.promote_types(logits.dtype, torch.float32)
+    if logits.shape[-1]:
+        row_max = logits.detach().max(dim=-1).values.to(sum_type)  # a shift only
+    else:
+        row_max = torch.full(logits.shape[:-1], -torch.inf, dtype=sum_type, device=logits.device)
     if world > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-    local_target = targets - (0 if world == 1 else tp_group.rank() * shard)
-    sums = _shard_sums_fused if logits.is_cuda else _shard_sums
-    sum_exp, target_logit, exp_dot_shifted = sums(logits, row_max, local_target, with_entropy)
+    sums = _shard_sums_fused if logits.is_cuda and logits.shape[-1] else _shard_sums
+    sum_exp, target_logit, exp_dot_shifted = sums(logits, row_max, targets - offset, with_entropy)
     sum_exp = _sum_over_shards(sum_exp, tp_group)
     log_sum_exp = sum_exp.log()
     logprobs = _sum_over_shards(target_logit, tp_group) - log_sum_exp
@@ -76,7 +91,10 @@ def _shard_sums(logits: Tensor, row_max: Tensor, local_target: Tensor, with_entr
     exp = shifted.exp()
     shard = logits.shape[-1]
     in_shard = (local_target >= 0) & (local_target < shard)
-    target = shifted.gather(-1, local_target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * in_shard
+    if shard:
+        target = shifted.gather(-1, local_target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * in_shard
+    else:  # a shard of padding only holds no target; its (empty) sums keep it in the graph
+        target = exp.new_zeros(exp.shape[:-1])
     return exp.sum(dim=-1), target, (exp * shifted).sum(dim=-1) if with_entropy else None
 
 
@@ -145,7 +163,7 @@ def logprobs_from_output(
         weight,
         targets,
         tp_group=tp_group,
-        vocab_size=_real_vocab_size(gpt),
+        vocab_size=gpt.unpadded_vocab_size,
         softcap=getattr(gpt, "final_logit_softcapping", None),
         with_entropy=with_entropy,
     )
@@ -156,18 +174,12 @@ def logprobs_from_output(
                  for x in (logprobs, entropy))
 
 
-def _real_vocab_size(model) -> int:
-    """The model's vocabulary without the rows that pad it for tensor parallelism."""
-    gpt = get_attr_wrapped_model(model, "vocab_size", return_model_obj=True)
-    return getattr(gpt, "unpadded_vocab_size", gpt.vocab_size)
-
-
 def _check_batch(model, batch, layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(batch, PackedBatch):
         raise ValueError(f"expected a PackedBatch (megatron_dualkv.pack_groups), got {type(batch).__name__}")
-    vocab_size = _real_vocab_size(model)
+    vocab_size = get_attr_wrapped_model(model, "unpadded_vocab_size")
     largest = int(batch.tokens.max())
     if largest >= vocab_size:
         raise ValueError(f"token id {largest} is outside the model's vocabulary of {vocab_size}")
