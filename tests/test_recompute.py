@@ -139,6 +139,26 @@ def test_selective_recompute_frees_the_norm_outputs_and_activations(card):
     assert measured["full", None].kept < measured["full", 1].kept < none.kept
 
 
+def test_layers_recomputed_whole_run_their_norms_and_activation_once_more():
+    """selective + 1: layer 1 is Megatron's to recompute (no-grad forward, then once in the backward),
+    layer 2 recomputes its norms and activation once in the backward; neither computes anything a
+    third time."""
+    model = build_model("qwen3-tiny", recompute="selective", recompute_layers=1)
+    calls = []
+    for number, layer in enumerate(model.decoder.layers, start=1):
+        for module, method in ((layer.input_layernorm, "compute"), (layer.pre_mlp_layernorm, "compute"),
+                               (layer.mlp, "activation")):
+            original = getattr(module, method)
+            setattr(module, method, functools.partial(_counted, calls, number, original))
+    forward_backward(model, rl_micro_batches(reference("qwen3-tiny", ())[0], SHAPES[:1]), LOSS)
+    assert sorted(calls) == [1] * 6 + [2] * 6  # per layer: 3 functions, each twice
+
+
+def _counted(calls, number, function, *args):
+    calls.append(number)
+    return function(*args)
+
+
 @pytest.mark.parametrize("card, module", [
     ("qwen3-tiny", "mlp"), ("gemma3-tiny", "mlp"), ("qwen3-tiny", "core_attn"), ("qwen3-moe-tiny", "moe"),
 ])
