@@ -8,11 +8,12 @@ prints, per model, the bytes autograd keeps per token and layer in each mode, by
 """
 import re
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
 
-from megatron_dualkv.models import build_model
+from megatron_dualkv.models import build_model, load_card
 from megatron_dualkv.rl import GRPOLoss, forward_backward
 from rollouts import make_batch, rl_micro_batches
 from saved_tensors import saved_tensors
@@ -21,18 +22,27 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 # the tiny cards, and real widths (two layers) where the kernels take their production paths
 MODELS = [
-    ("qwen3-tiny", {}), ("qwen3-moe-tiny", {}), ("gemma3-tiny", {}), ("gemma4-tiny", {}),
-    ("qwen3-8b", dict(num_layers=2)), ("qwen3-30b-a3b", dict(num_layers=2)), ("gemma3-27b", dict(num_layers=2)),
+    ("qwen3-tiny", None), ("qwen3-moe-tiny", None), ("gemma3-tiny", None), ("gemma4-tiny", None),
+    ("qwen3-8b", 2), ("qwen3-30b-a3b", 2), ("gemma3-27b", 2),
 ]
 MODES = [(None, None), ("selective", None), ("selective", 1), ("full", None)]
 SHAPES = [[(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1])], [(3, [1]), (9, [2, 7, 3, 1]), (2, [4])]]
 
 
-def _models(card, overrides):
+def _card(name: str, num_layers):
+    """The card, cut to its first ``num_layers`` layers (None: whole)."""
+    card = load_card(name)
+    if num_layers is None:
+        return card
+    return replace(card, name=f"{name}-{num_layers}l",
+                   config={**card.config, "num_hidden_layers": num_layers, "max_window_layers": num_layers})
+
+
+def _models(name, num_layers):
     """The model of each mode, all with the weights of the first (no recompute)."""
-    models = {}
+    card, models = _card(name, num_layers), {}
     for mode, layers in MODES:
-        model = build_model(card, dtype=torch.bfloat16, recompute=mode, recompute_layers=layers, **overrides)
+        model = build_model(card, dtype=torch.bfloat16, recompute=mode, recompute_layers=layers)
         if models:
             model.load_state_dict(models[None, None].state_dict())
         models[mode, layers] = model
@@ -47,11 +57,11 @@ def _grpo_step(model, batches):
     return outputs, grads
 
 
-@pytest.mark.parametrize("card, overrides", MODELS[:4], ids=[card for card, _ in MODELS[:4]])
-def test_recompute_gives_the_step_without_recompute_in_bf16(card, overrides):
+@pytest.mark.parametrize("card, num_layers", MODELS[:4], ids=[card for card, _ in MODELS[:4]])
+def test_recompute_gives_the_step_without_recompute_in_bf16(card, num_layers):
     """Up to bf16 rounding: the norms' forward runs without autograd (torch's kernel rather than the
     compiled one), and gradients are summed in other orders."""
-    models = _models(card, overrides)
+    models = _models(card, num_layers)
     batches = rl_micro_batches(models[None, None], SHAPES)
     ref_outputs, ref_grads = _grpo_step(models[None, None], batches)
     for key, model in models.items():
@@ -73,9 +83,9 @@ def _per_token_and_layer(measured, num_tokens: int, num_layers: int):
     return {module: total / num_tokens / num_layers for module, total in sorted(table.items())}
 
 
-@pytest.mark.parametrize("card, overrides", MODELS, ids=[card for card, _ in MODELS])
-def test_selective_recompute_frees_the_norm_outputs_and_activations_in_bf16(card, overrides):
-    models = _models(card, overrides)
+@pytest.mark.parametrize("card, num_layers", MODELS, ids=[card for card, _ in MODELS])
+def test_selective_recompute_frees_the_norm_outputs_and_activations_in_bf16(card, num_layers):
+    models = _models(card, num_layers)
     longest = min(2048, models[None, None].max_sequence_length)  # the tiny cards: 512 positions
     batch = make_batch([(longest // 2, [longest // 4, longest // 8, longest // 2])], pad_to_multiple_of=8)
     config, tokens = models[None, None].config, batch.num_tokens
