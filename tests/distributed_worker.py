@@ -54,15 +54,21 @@ VOCAB_300 = ModelCard("qwen3-tiny-vocab300", {**load_card("qwen3-tiny").config, 
 
 @dataclass(frozen=True)
 class ParallelRun:
-    """A model card and build_model arguments (parallel sizes and architecture overrides)."""
+    """A model card and build_model arguments (parallel sizes, architecture overrides and the
+    activation recompute of the parallel run, which the one-process reference runs without)."""
 
     card: str
     world: int
     sizes: Dict = field(default_factory=dict)
     overrides: Dict = field(default_factory=dict)
+    recompute: Dict = field(default_factory=dict)
 
     def build_kwargs(self) -> Dict:
-        return dict(self.sizes, seed=SEED, **self.overrides)
+        return dict(self.sizes, seed=SEED, **self.overrides, **self.recompute)
+
+    def reference_kwargs(self) -> Dict:
+        """The one-process model's: no parallelism, no recompute."""
+        return dict(seed=SEED, **self.overrides)
 
 
 # MoE runs keep the card's load-balancing loss: padding is excluded from its token statistics, so
@@ -85,6 +91,14 @@ PARALLEL_RUNS = {
     # first stage's by finalize_model_grads
     "gemma3_tp2_sp": ParallelRun("gemma3-tiny", 2, dict(tp=2)),
     "gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2)),
+    # selective recompute: the linears save their local (sequence-parallel) inputs, the first of a
+    # stage's two layers is recomputed whole, the norms run on a context-parallel token slice, and
+    # the experts' activations are recomputed on each expert rank
+    "dense_tp2_sp_selective": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), recompute=dict(recompute="selective")),
+    "dense_pp2_selective_1": ParallelRun("qwen3-tiny", 2, dict(pp=2), dict(num_layers=4),
+                                         dict(recompute="selective", recompute_layers=1)),
+    "gemma3_cp2_selective": ParallelRun("gemma3-tiny", 2, dict(cp=2), recompute=dict(recompute="selective")),
+    "moe_ep2_selective": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), recompute=dict(recompute="selective")),
     "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
     "moe_pp2_tp2": ParallelRun("qwen3-moe-tiny", 4, dict(pp=2, tp=2)),
     "moe_tp2_ep2_etp1_dp2": ParallelRun("qwen3-moe-tiny", 4, dict(tp=2, ep=2, etp=1)),

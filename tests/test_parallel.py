@@ -6,7 +6,8 @@ micro-batches padded to the run's ``ParallelSizes.token_multiple``. The test ass
 parameters into full tensors, loads them into a model of one process and runs the same step on
 unpadded micro-batches: the per-response log-probs, entropies, losses and metrics that every rank
 returns, and the gradients of every full parameter, must match; so must forward_logprobs on the
-packed layout, and on the replicated layout where Megatron's attention runs it (no CP).
+packed layout, and on the replicated layout where Megatron's attention runs it (no CP). Runs with
+activation recompute are compared with a reference built without it.
 """
 from collections import defaultdict
 
@@ -50,7 +51,7 @@ def test_four_ranks_match_one_process(four_rank_results, name):
 def check_against_one_process(name, ranks):
     run = PARALLEL_RUNS[name]
     full = assemble(ranks)
-    model = build_model(run.card, **{k: v for k, v in run.build_kwargs().items() if k not in run.sizes})
+    model = build_model(run.card, **run.reference_kwargs())
     names = {n for n, _ in model.named_parameters()}
     assert set(full) == names, f"parameters missing {sorted(names - set(full))}, unexpected {sorted(set(full) - names)}"
     vocab = model.unpadded_vocab_size

@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import package_info, parallel_state
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..mcore.cpu_compat import enable_cpu_compat
@@ -22,6 +23,7 @@ from ..mcore.parallel import (
     padded_vocab_size,
     pipeline_stage_fields,
 )
+from ..mcore.recompute import TE_ONLY_RECOMPUTE_MODULES, recompute_config_kwargs
 from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
@@ -30,7 +32,10 @@ from .qwen3 import QWEN3, QWEN3_MOE
 FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4)}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRANSFORMER_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+# Megatron-Core 0.16's block recompute calls the layers it does not recompute without the padding mask
+_BLOCK_RECOMPUTE_PASSES_PADDING = (package_info.MAJOR, package_info.MINOR) >= (0, 17)
+_RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+                     "recompute_norms", "recompute_activations")
 
 
 def family_of(card: ModelCard) -> ModelFamily:
@@ -55,6 +60,8 @@ def build_model(
     seed: int = 1234,
     use_transformer_engine: Optional[bool] = None,
     make_vocab_size_divisible_by: int = 128,
+    recompute: Optional[str] = None,
+    recompute_layers: Optional[int] = None,
     **overrides: Any,
 ) -> Union[DualKVGPTModel, List[DualKVGPTModel]]:
     """Build the Megatron-Core model of ``card`` for the DualKV packed layout.
@@ -83,8 +90,14 @@ def build_model(
         1: a multiple of tp only). The model's ``vocab_size`` is the padded size,
         ``unpadded_vocab_size`` the card's; the padded rows are no token, and the log-probs leave
         them out of every softmax.
-    overrides: ``TransformerConfig`` fields replacing the card's (e.g. ``num_layers=2``,
-        ``moe_aux_loss_coeff=0.0``).
+    recompute: activation recompute, "none" (None), "selective" (the norm outputs and MLP
+        activations of every layer, by the local and Gemma specs, no TE needed) or "full"
+        (Megatron's full recompute); recompute_layers=N: the first N layers of every pipeline
+        stage (model chunk) recomputed whole, by Megatron, with "selective" or "full"
+        (``mcore.recompute.recompute_config_kwargs`` gives the config fields of each setting).
+    overrides: ``TransformerConfig`` (``DualKVTransformerConfig``) fields replacing the card's
+        (e.g. ``num_layers=2``, ``moe_aux_loss_coeff=0.0``), Megatron's own recompute fields
+        (``recompute_granularity``, ``recompute_modules``, ...) included when ``recompute`` is not given.
 
     In a plain single process it first maps megatron-core's CUDA-only calls when there is no GPU
     (``enable_cpu_compat``) and initialises ``torch.distributed`` and Megatron's parallel state
@@ -101,6 +114,8 @@ def build_model(
         )
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
+    overrides = _with_recompute(overrides, recompute, recompute_layers)
+    _refuse_te_only_recompute(overrides)
     config = build_transformer_config(card, family, sizes, _param_dtype(card, dtype), use_transformer_engine, overrides)
     check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
@@ -108,6 +123,7 @@ def build_model(
     padded = padded_vocab_size(vocab_size, tp, make_vocab_size_divisible_by)
     model_kwargs.update(vocab_size=padded, unpadded_vocab_size=vocab_size)
     initialize_parallel_state(sizes, seed)
+    _check_recompute(config, use_transformer_engine)
     chunks = [_pipeline_chunk(family, config, use_transformer_engine, model_kwargs, vp_stage) for vp_stage in range(sizes.vpp or 1)]
     return chunks if sizes.vpp else chunks[0]
 
@@ -134,12 +150,14 @@ def build_transformer_config(
     use_transformer_engine: bool,
     overrides: Dict[str, Any],
 ) -> TransformerConfig:
-    """Architecture (family) + parallel sizes + precision + overrides -> ``TransformerConfig``."""
-    unknown = sorted(set(overrides) - _TRANSFORMER_CONFIG_FIELDS)
+    """Architecture (family) + parallel sizes + precision + overrides -> ``TransformerConfig``
+    (the family's ``config_class``)."""
+    config_fields = frozenset(f.name for f in dataclasses.fields(family.config_class))
+    unknown = sorted(set(overrides) - config_fields)
     if unknown:
-        hints = {k: difflib.get_close_matches(k, _TRANSFORMER_CONFIG_FIELDS, n=1) for k in unknown}
+        hints = {k: difflib.get_close_matches(k, config_fields, n=1) for k in unknown}
         raise ValueError(
-            "unknown build_model overrides (not TransformerConfig fields): "
+            f"unknown build_model overrides (not {family.config_class.__name__} fields): "
             + ", ".join(f"{k}" + (f" (did you mean {v[0]}?)" if v else "") for k, v in hints.items())
         )
     kwargs = family.transformer_config_kwargs(card)
@@ -169,6 +187,69 @@ def build_transformer_config(
     kwargs.update(overrides)
     kwargs.update(pipeline_stage_fields(kwargs["num_layers"], sizes, kwargs))
     return family.config_class(**kwargs)
+
+
+def _with_recompute(overrides: Dict[str, Any], recompute: Optional[str], layers: Optional[int]) -> Dict[str, Any]:
+    """``overrides`` plus the config fields of ``recompute`` / ``recompute_layers``, which must not
+    also be set one by one."""
+    if recompute is None and layers is None:
+        return overrides
+    conflicting = [k for k in _RECOMPUTE_FIELDS if k in overrides]
+    if conflicting:
+        raise ValueError(
+            f"recompute={recompute!r} sets the recompute fields; do not also pass {', '.join(conflicting)}"
+        )
+    return {**overrides, **recompute_config_kwargs(recompute, layers)}
+
+
+def _refuse_te_only_recompute(overrides: Dict[str, Any]) -> None:
+    """ValueError for Megatron's selective modules that need Transformer Engine, without it (before
+    Megatron's own config checks, which give other reasons)."""
+    te_only = sorted(set(overrides.get("recompute_modules") or []) & set(TE_ONLY_RECOMPUTE_MODULES))
+    if overrides.get("recompute_granularity") == "selective" and te_only and not transformer_engine_available():
+        raise ValueError(
+            f"recompute_modules {te_only}: Megatron-Core recomputes these through Transformer Engine "
+            "(CheckpointWithoutOutput), which is not installed; recompute='selective' recomputes the norms and "
+            "activations without it"
+        )
+
+
+def _check_recompute(config: TransformerConfig, use_transformer_engine: bool) -> None:
+    """ValueError naming the field for a recompute setting these layers cannot run."""
+    if config.recompute_granularity == "full":
+        # Megatron counts recompute_num_layers within each pipeline stage / model chunk
+        vpp = config.virtual_pipeline_model_parallel_size
+        most = max(
+            get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            for pp_rank in range(config.pipeline_model_parallel_size)
+            for vp_stage in (range(vpp) if vpp else [None])
+        )
+        if config.recompute_num_layers > most:
+            raise ValueError(
+                f"recompute_layers (recompute_num_layers) = {config.recompute_num_layers} is more than the {most} "
+                f"layers of a pipeline {'model chunk' if vpp else 'stage'}"
+            )
+        if config.recompute_method == "block" and _counts_routed_tokens(config) and not _BLOCK_RECOMPUTE_PASSES_PADDING:
+            raise ValueError(
+                "recompute_layers with MoE load balancing (moe_aux_loss_coeff, moe_z_loss_coeff or "
+                "moe_router_enable_expert_bias) on megatron-core < 0.17: its block recompute runs the layers it does "
+                "not recompute without the padding mask, so their routing statistics would count the packing's "
+                "padding tokens; set those off, recompute every layer, or use megatron-core 0.17+"
+            )
+    ours = [k for k in ("recompute_norms", "recompute_activations") if getattr(config, k, False)]
+    if ours and use_transformer_engine:
+        raise ValueError(
+            f"{' and '.join(ours)} (recompute='selective') run in the local spec's layers, not in Transformer "
+            "Engine's, which fuses the norms into its linears: build with use_transformer_engine=False, or use "
+            "Megatron's recompute_modules with TE"
+        )
+
+
+def _counts_routed_tokens(config: TransformerConfig) -> bool:
+    """Whether MoE routing statistics over the tokens (load-balancing losses, expert bias) train the model."""
+    return bool(config.num_moe_experts) and bool(
+        config.moe_aux_loss_coeff or config.moe_z_loss_coeff or config.moe_router_enable_expert_bias
+    )
 
 
 def _legacy_grouped_gemm_available() -> bool:

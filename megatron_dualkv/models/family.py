@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from ..mcore.config import DualKVTransformerConfig
 from ..mcore.gpt_model import DualKVGPTModel
 from ..mcore.layer_specs import dualkv_local_block_spec, dualkv_te_block_spec
 from .cards import ModelCard
@@ -127,7 +128,7 @@ class ModelFamily:
     transformer_config_kwargs: Callable[[ModelCard], Dict[str, Any]]
     gpt_model_kwargs: Callable[[ModelCard], Dict[str, Any]]
     # Megatron building blocks: Megatron's GPT layers with DualKV attention unless a family brings its own
-    config_class: type = TransformerConfig
+    config_class: type = DualKVTransformerConfig
     block_spec: Callable[[TransformerConfig, bool, Optional[int]], TransformerBlockSubmodules] = dualkv_gpt_block_spec
     model_class: type = DualKVGPTModel
     supports_transformer_engine: bool = True
