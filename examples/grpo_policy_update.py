@@ -209,11 +209,11 @@ def build_policy(args: argparse.Namespace) -> Policy:
     config = model.config
     if (config.bf16 or config.fp16) and not on_gpu:
         raise InputError(f"{args.model} is {config.params_dtype}: Megatron's mixed-precision optimizer needs CUDA; pass --dtype float32")
-    vocab_size = model.vocab_size
-    cost = CostModel.from_config(config, vocab_size)
+    vocab_size = model.unpadded_vocab_size  # what token ids are checked against
+    cost = CostModel.from_config(config, model.vocab_size)  # the output layer computes its padded rows too
     token_multiple = current_parallel_sizes(config).token_multiple
-    # No Float16Module around a bf16 model: it would upcast all [tokens, vocab] logits to fp32,
-    # while the log-prob code upcasts only the rows that predict response tokens.
+    # No Float16Module around a bf16 model: it would upcast the last stage's output (the final
+    # hidden states, [tokens, hidden]) to fp32, which the log-prob code casts back to bf16.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
     ddp = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(

@@ -6,13 +6,15 @@ Scenarios run one after the other in the same world, each on fresh Megatron para
 each saves its results to ``OUT_DIR/<scenario>.rank<r>.pt``; a scenario that raises saves its
 traceback instead and ends the rank, so that the others fail fast instead of waiting for it.
 
-* ``tp2``: the tiny dense model at tp=2 without sequence parallelism (log-probs, GRPO gradients)
-  and vocab_parallel_logprobs on a shard of fixed logits; ``ep2``: the tiny MoE model at ep=2 on
-  the packed and replicated layouts (test_rl_logprobs).
+* ``tp2``: the tiny dense model at tp=2 without sequence parallelism (log-probs, GRPO gradients),
+  vocab_parallel_logprobs on a shard of fixed logits, and linear_logprobs_func on a shard of a
+  fixed weight (``FUSED_CASES``: padded vocabularies, one leaving rank 1 all padding); ``ep2``:
+  the tiny MoE model at ep=2 on the packed and replicated layouts (test_rl_logprobs).
 * ``PARALLEL_RUNS``: a policy-update step through Megatron's DDP and schedule (test_parallel): the
   per-response results every rank returns (and forward_logprobs on the packed and the replicated
   layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
-  that the test assembles into full tensors.
+  that the test assembles into full tensors. Among them a layer count that pp splits unevenly
+  and a vocabulary that tp pads to another size than one process does.
 """
 import math
 import os
@@ -29,8 +31,9 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from megatron_dualkv.mcore import ParallelSizes
-from megatron_dualkv.models import build_model
+from megatron_dualkv.models import ModelCard, build_model, load_card
 from megatron_dualkv.models.hf_export import _global_name  # the single-rank model's name of a parameter
+from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
 from megatron_dualkv.rl import (
     GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, vocab_parallel_logprobs,
 )
@@ -45,19 +48,27 @@ MICRO_BATCH_SHAPES = [
     [(3, [1]), (9, [2, 7, 3, 1]), (2, [4])],
 ]
 LOSS = GRPOLoss(clip_eps=0.2, kl_coef=0.05)
+# 300 tokens: the embedding and output layer have 384 rows in one process, 512 at tp=2
+VOCAB_300 = ModelCard("qwen3-tiny-vocab300", {**load_card("qwen3-tiny").config, "vocab_size": 300})
 
 
 @dataclass(frozen=True)
 class ParallelRun:
-    """A model card and build_model arguments (parallel sizes and architecture overrides)."""
+    """A model card and build_model arguments (parallel sizes, architecture overrides and the
+    activation recompute of the parallel run, which the one-process reference runs without)."""
 
     card: str
     world: int
     sizes: Dict = field(default_factory=dict)
     overrides: Dict = field(default_factory=dict)
+    recompute: Dict = field(default_factory=dict)
 
     def build_kwargs(self) -> Dict:
-        return dict(self.sizes, seed=SEED, **self.overrides)
+        return dict(self.sizes, seed=SEED, **self.overrides, **self.recompute)
+
+    def reference_kwargs(self) -> Dict:
+        """The one-process model's: no parallelism, no recompute."""
+        return dict(seed=SEED, **self.overrides)
 
 
 # MoE runs keep the card's load-balancing loss: padding is excluded from its token statistics, so
@@ -67,6 +78,8 @@ PARALLEL_RUNS = {
     "dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True)),
     "dense_pp2": ParallelRun("qwen3-tiny", 2, dict(pp=2)),
     "dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4)),
+    "dense_pp2_three_layers": ParallelRun("qwen3-tiny", 2, dict(pp=2), dict(num_layers=3)),
+    "dense_tp2_padded_vocab": ParallelRun(VOCAB_300, 2, dict(tp=2)),
     "dense_cp2": ParallelRun("qwen3-tiny", 2, dict(cp=2)),
     "dense_cp2_one_kv_head": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_query_groups=1)),
     "dense_cp2_three_kv_heads": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_attention_heads=6, num_query_groups=3)),
@@ -74,6 +87,18 @@ PARALLEL_RUNS = {
     "moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2)),
     "moe_pp2": ParallelRun("qwen3-moe-tiny", 2, dict(pp=2)),
     "moe_cp2": ParallelRun("qwen3-moe-tiny", 2, dict(cp=2)),
+    # output layer tied to the embedding: under PP the last stage's copy of it, summed with the
+    # first stage's by finalize_model_grads
+    "gemma3_tp2_sp": ParallelRun("gemma3-tiny", 2, dict(tp=2)),
+    "gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2)),
+    # selective recompute: the linears save their local (sequence-parallel) inputs, the first of a
+    # stage's two layers is recomputed whole, the norms run on a context-parallel token slice, and
+    # the experts' activations are recomputed on each expert rank
+    "dense_tp2_sp_selective": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), recompute=dict(recompute="selective")),
+    "dense_pp2_selective_1": ParallelRun("qwen3-tiny", 2, dict(pp=2), dict(num_layers=4),
+                                         dict(recompute="selective", recompute_layers=1)),
+    "gemma3_cp2_selective": ParallelRun("gemma3-tiny", 2, dict(cp=2), recompute=dict(recompute="selective")),
+    "moe_ep2_selective": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), recompute=dict(recompute="selective")),
     "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
     "moe_pp2_tp2": ParallelRun("qwen3-moe-tiny", 4, dict(pp=2, tp=2)),
     "moe_tp2_ep2_etp1_dp2": ParallelRun("qwen3-moe-tiny", 4, dict(tp=2, ep=2, etp=1)),
@@ -129,10 +154,13 @@ def unpadded_error(model, sizes: ParallelSizes):
 
 def parameter_pieces(chunks) -> Dict[str, Dict]:
     """Every parameter of this rank under its name in the whole model (global layer and expert
-    numbers), with its gradient and, when split by tensor parallelism, how."""
+    numbers; a tied output layer's copy on the last pipeline stage under the embedding's name),
+    with its gradient and, when split by tensor parallelism, how."""
     pieces = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
+            if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+                name = "embedding.word_embeddings.weight"
             expert = ".experts." in name
             split = None
             if getattr(param, "tensor_model_parallel", False):
@@ -145,9 +173,37 @@ def parameter_pieces(chunks) -> Dict[str, Dict]:
     return pieces
 
 
+VOCAB_SIZES = (None, 200, 100)
+
+
 def fixed_logits_and_targets():
     g = torch.Generator().manual_seed(VOCAB_LOGITS_SEED)
     return 3 * torch.randn(7, 256, generator=g), torch.randint(0, 256, (7,), generator=g)
+
+
+# linear_logprobs_func at tp=2: (vocab_size, softcap) over a weight of 2 x 24 rows, 9 columns per chunk
+FUSED_CASES = [(48, None), (41, 3.0), (20, 3.0)]
+
+
+def fixed_projection(vocab_size):
+    """float64 hidden states (7, 5), weight (48, 5), targets in [0, vocab_size) and upstream gradients."""
+    g = torch.Generator().manual_seed(VOCAB_LOGITS_SEED)
+    hidden, weight = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((7, 5), (48, 5)))
+    targets = torch.randint(0, vocab_size, (7,), generator=g)
+    return hidden, weight, targets, torch.randn(2, 7, generator=g, dtype=torch.float64)
+
+
+def fused_projection(hidden, weight, targets, upstream, vocab_size, softcap, tp_group=None):
+    """(log-probs, entropy, d hidden, d weight) of linear_logprobs_func on this rank's weight shard;
+    the hidden gradient summed over the ranks as Megatron's output layer sums it."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    shared = h if tp_group is None else copy_to_tensor_model_parallel_region(h, group=tp_group)
+    logprobs, entropy = linear_logprobs_func(shared, w, targets, tp_group=tp_group, vocab_size=vocab_size,
+                                             softcap=softcap, with_entropy=True, chunk_columns=9)
+    ((upstream[0] * logprobs).sum() + (upstream[1] * entropy).sum()).backward()
+    return logprobs.detach(), entropy.detach(), h.grad, w.grad
 
 
 def tp2():
@@ -158,13 +214,25 @@ def tp2():
     forward_backward(model, [RLMicroBatch(batch, old_logprobs=perturbed(packed, 0.05))], GRPOLoss())
     logits, targets = fixed_logits_and_targets()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    shard = logits[:, rank * 128 : (rank + 1) * 128].clone().requires_grad_()
-    logprobs, entropy = vocab_parallel_logprobs(shard, targets, parallel_state.get_tensor_model_parallel_group(), True)
-    (logprobs.sum() + 0.5 * entropy.sum()).backward()
+    vocab = {}
+    for vocab_size in VOCAB_SIZES:  # None: all 256 columns; 200: rank 1's shard partly padding; 100: all of it
+        shard = logits[:, rank * 128 : (rank + 1) * 128].clone().requires_grad_()
+        logprobs, entropy = vocab_parallel_logprobs(
+            shard, targets % (vocab_size or 256), parallel_state.get_tensor_model_parallel_group(), True, vocab_size
+        )
+        (logprobs.sum() + 0.5 * entropy.sum()).backward()
+        vocab[vocab_size] = dict(logprobs=logprobs, entropy=entropy, grad=shard.grad)
     return dict(
         packed=packed, replicated=replicated, final_norm_grad=model.decoder.final_layernorm.weight.grad,
-        output_grad=model.output_layer.weight.grad, vocab_logprobs=logprobs, vocab_entropy=entropy, vocab_grad=shard.grad,
+        output_grad=model.output_layer.weight.grad, vocab=vocab,
+        fused=[fused_projection_of_shard(rank, *case) for case in FUSED_CASES],
     )
+
+
+def fused_projection_of_shard(rank, vocab_size, softcap):
+    hidden, weight, targets, upstream = fixed_projection(vocab_size)
+    return fused_projection(hidden, weight[rank * 24 : (rank + 1) * 24], targets, upstream, vocab_size, softcap,
+                            parallel_state.get_tensor_model_parallel_group())
 
 
 def ep2():

@@ -12,15 +12,26 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatron_dualkv.models import load_card
+from megatron_dualkv.models import ModelCard, load_card
 from test_hf_state_dicts import hf_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import convert_checkpoint  # noqa: E402
 
-CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny"]
+# Real depths and vocabularies at test size: layer counts pp=2 splits unevenly (Gemma's sliding and
+# full layers across the split) and 300 tokens, padded to 384 rows in one process, 512 at tp=2.
+UNEVEN_CARDS = {
+    "qwen3-uneven": ModelCard("qwen3-uneven", {**load_card("qwen3-tiny").config, "num_hidden_layers": 3,
+                                               "max_window_layers": 3, "vocab_size": 300}),
+    "gemma3-uneven": ModelCard("gemma3-uneven", {**load_card("gemma3-tiny").config, "num_hidden_layers": 5,
+                                                 "vocab_size": 300}),
+}
+CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", *UNEVEN_CARDS]
 # the parallel sizes each checkpoint is converted for (Gemma 4's one global key/value head allows no tp)
-CONVERT_SIZES = {"qwen3-tiny": dict(tp=2, pp=2), "qwen3-moe-tiny": dict(ep=2), "gemma3-tiny": dict(tp=2), "gemma4-tiny": {}}
+CONVERT_SIZES = {
+    "qwen3-tiny": dict(tp=2, pp=2), "qwen3-moe-tiny": dict(ep=2), "gemma3-tiny": dict(tp=2), "gemma4-tiny": {},
+    "qwen3-uneven": dict(tp=2, pp=2), "gemma3-uneven": dict(pp=2),
+}
 SHARD_SIZE = "100KB"  # several shards with an index, as published checkpoints come
 
 
@@ -56,7 +67,7 @@ def converted(tmp_path_factory) -> Dict[str, Converted]:
     root = tmp_path_factory.mktemp("checkpoints")
     out = {}
     for name in CARDS:
-        card = load_card(name)
+        card = UNEVEN_CARDS.get(name) or load_card(name)
         hf = hf_model(card)
         hf_dir, megatron_dir = root / name / "hf", root / name / "megatron"
         hf.save_pretrained(hf_dir, max_shard_size=SHARD_SIZE)

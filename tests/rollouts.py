@@ -65,3 +65,11 @@ def model_kwargs_of(card):
 
     card = load_card(card)
     return FAMILIES[card.model_type].gpt_model_kwargs(card)
+
+
+def parameter_count(card) -> int:
+    """The parameters of the card's model (tp=1, the real vocabulary), built on the meta device."""
+    from megatron_dualkv.models import load_card
+    from megatron_dualkv.models.checkpoint import _meta_model
+
+    return sum(p.numel() for p in _meta_model(load_card(card)).parameters())

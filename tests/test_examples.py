@@ -313,6 +313,23 @@ def test_bench_ops_times_the_same_math_in_each_method():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
 
 
+def test_bench_ops_log_probs_are_the_same_both_ways():
+    """tools/bench_ops.py --mode logprobs: all logits then the predicting rows, and the fused op on
+    those rows, give the same log-probs, entropies and gradients (float32, a tiny group)."""
+    ops = load(ROOT / "tools" / "bench_ops.py", "bench_ops")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    (hidden, weight), rows, targets, upstream = ops.logprob_inputs(300, (3, 7, 5), device)
+    results = []
+    for method in ops.LOGPROB_METHODS:
+        leaves = [x.detach().float().requires_grad_() for x in (hidden, weight)]
+        logprobs, entropy = ops.logprob_method(method, *leaves, rows, targets, True)
+        loss = (upstream[0] * logprobs).sum() + (upstream[1] * entropy).sum()
+        results.append((logprobs, entropy, *torch.autograd.grad(loss, leaves)))
+    assert results[0][0].shape == (rows.numel(),) == (3 * 5,)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monkeypatch):
     """Two models: one run of the script per model with the same flags and ``--models`` of one,
     then one table of both models' rows."""

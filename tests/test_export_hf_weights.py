@@ -1,9 +1,10 @@
 """export_hf_weights (a live model's weights under their Hugging Face names, whole, one at a time)
 against the Hugging Face checkpoint the model was converted from, in one process and on two gloo
 processes at tp=2 (Qwen3, Gemma 3), ep=2 (Qwen3-MoE) and pp=2 (Qwen3), where every rank must yield
-every tensor. The parallel runs also save their model with save_model (Megatron's own writer, each
-tensor split as the ranks hold it): loading that in one process and converting it back to Hugging
-Face must be lossless."""
+every tensor, and give transformers' log-probs; also for layer counts pp=2 splits unevenly (Qwen3,
+Gemma 3) and a vocabulary tp pads. The parallel runs also save their model with save_model
+(Megatron's own writer, each tensor split as the ranks hold it): loading that in one process and
+converting it back to Hugging Face must be lossless."""
 import json
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from checkpoint_worker import SCENARIOS, launch
 from hf_checkpoints import CARDS, converted, safetensors_files  # noqa: F401
 from megatron_dualkv.models import ModelCard, checkpoint_card, export_hf_weights, load_card, load_model, megatron_to_hf
+from rollouts import make_batch, max_abs_diff
+from test_hf_state_dicts import SHAPES, hf_response_logprobs
 
 
 def assert_same_tensors(got, want):
@@ -54,8 +57,11 @@ def test_parallel_ranks_export_and_save_losslessly(parallel_runs, converted, sce
     card, world, sizes = SCENARIOS[scenario]
     checkpoint = converted[card]
     files = safetensors_files(checkpoint.hf_dir)
+    want = hf_response_logprobs(checkpoint.hf, make_batch(SHAPES))
     for rank in range(world):
-        assert_same_tensors(torch.load(parallel_runs / f"{scenario}.rank{rank}.pt"), files)
+        result = torch.load(parallel_runs / f"{scenario}.rank{rank}.pt")
+        assert_same_tensors(result["exported"], files)
+        assert max_abs_diff(result["logprobs"], want) < 1e-5, f"log-probs on rank {rank}"
     saved = parallel_runs / f"{scenario}.saved"
     record = json.loads((saved / "dualkv_checkpoint.json").read_text())
     assert record["written_by"] == "save_model"
@@ -66,4 +72,5 @@ def test_parallel_ranks_export_and_save_losslessly(parallel_runs, converted, sce
     model = load_model(saved).eval()
     ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, torch.arange(13).expand(2, 13), None), checkpoint.hf(ids).logits, rtol=1e-5, atol=1e-5)
+        logits = model(ids, torch.arange(13).expand(2, 13), None)[..., : model.unpadded_vocab_size]
+        torch.testing.assert_close(logits, checkpoint.hf(ids).logits, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ from megatron_dualkv.mcore import DualKVAttention
 from megatron_dualkv.mcore.gemma import GemmaRMSNorm, GemmaTransformerLayer, PostNormRowParallelLinear, RopeSpec
 from megatron_dualkv.models import ModelCard, build_model, load_card
 from megatron_dualkv.rl import GRPOLoss, forward_backward, forward_logprobs
-from rollouts import config_of, make_batch, max_abs_diff, model_kwargs_of, rl_micro_batches
+from rollouts import config_of, make_batch, max_abs_diff, model_kwargs_of, parameter_count, rl_micro_batches
 
 HF_CONFIGS = {"gemma3_text": Gemma3TextConfig, "gemma4_text": Gemma4TextConfig}
 NOT_HF_ATTRIBUTES = {"name", "source", "model_type", "torch_dtype", "dtype", "rope_theta", "rope_local_base_freq",
@@ -50,6 +50,23 @@ def test_gemma3_27b_architecture():
     assert model_kwargs_of(ModelCard("published", published))["full_rope"] == RopeSpec(1e6, "linear", 8.0)
 
 
+def test_gemma3_4b_architecture():
+    c = config_of("gemma3-4b")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels, c.ffn_hidden_size) == (
+        34, 2560, 8, 4, 256, 10240)
+    assert c.softmax_scale == 256**-0.5 and c.layernorm_zero_centered_gamma and c.window_size == (1023, 0)
+    assert c.window_attn_skip_freq == ([1] * 5 + [0]) * 5 + [1] * 4
+    kwargs = model_kwargs_of("gemma3-4b")
+    assert (kwargs["vocab_size"], kwargs["max_sequence_length"], kwargs["share_embeddings_and_output_weights"]) == (
+        262208, 131072, True)
+    assert kwargs["sliding_rope"] == RopeSpec(10000.0) and kwargs["full_rope"] == RopeSpec(1e6, "linear", 8.0)
+    # per layer: q/k/v/o projections, GeGLU MLP, four norms and the q/k norms; tied embedding, final norm
+    layer = 2560 * 256 * (8 + 2 * 4) + 8 * 256 * 2560 + 3 * 2560 * 10240 + 4 * 2560 + 2 * 256
+    count = parameter_count("gemma3-4b")
+    assert count == 34 * layer + 262208 * 2560 + 2560
+    assert round(count / 1e9, 2) == 3.88  # the text decoder of Gemma 3 4B (the vision tower is not in it)
+
+
 def test_gemma4_31b_architecture():
     c = config_of("gemma4-31b")
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.ffn_hidden_size) == (60, 5376, 32, 21504)
@@ -66,7 +83,7 @@ def test_gemma4_31b_architecture():
     assert inv_freq.shape == (256,) and inv_freq[:64].min() > 0 and not inv_freq[64:].any()
 
 
-@pytest.mark.parametrize("name", ["gemma3-27b", "gemma3-tiny", "gemma4-31b", "gemma4-tiny"])
+@pytest.mark.parametrize("name", ["gemma3-4b", "gemma3-27b", "gemma3-tiny", "gemma4-31b", "gemma4-tiny"])
 def test_cards_are_hugging_face_configs(name):
     """transformers' config class reads every card field back unchanged, resolves the same layer
     shapes, and a config.json it writes (rope_parameters, per_layer_config) builds the same model."""

@@ -9,7 +9,7 @@ from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_func
 from megatron_dualkv.mcore import DualKVAttention, dualkv_te_block_spec
 from megatron_dualkv.mcore.layer_specs import transformer_engine_available
 from megatron_dualkv.models import ModelCard, available_cards, build_model, load_card
-from rollouts import config_of, model_kwargs_of
+from rollouts import config_of, model_kwargs_of, parameter_count
 
 NOT_ARCHITECTURE = {"name", "source", "model_type", "torch_dtype", "rope_theta", "rope_scaling"}
 
@@ -17,10 +17,10 @@ NOT_ARCHITECTURE = {"name", "source", "model_type", "torch_dtype", "rope_theta",
 
 
 def test_every_model_has_a_card():
-    assert {"qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"} <= set(available_cards())
+    assert {"qwen3-4b", "qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"} <= set(available_cards())
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"])
 def test_cards_are_hugging_face_configs(name):
     """Every architecture field is read back unchanged by transformers' own config class (so the
     names are the real ones), and the RoPE base survives transformers 5's rope_parameters."""
@@ -54,6 +54,21 @@ def test_qwen3_8b_architecture():
     assert model_kwargs_of("qwen3-8b") == dict(
         vocab_size=151936, max_sequence_length=40960, position_embedding_type="rope", rotary_base=1e6,
         share_embeddings_and_output_weights=False)
+
+
+def test_qwen3_4b_architecture():
+    c = config_of("qwen3-4b")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels, c.ffn_hidden_size) == (
+        36, 2560, 32, 8, 128, 9728)
+    assert model_kwargs_of("qwen3-4b") == dict(
+        vocab_size=151936, max_sequence_length=40960, position_embedding_type="rope", rotary_base=1e6,
+        share_embeddings_and_output_weights=True)
+    # per layer: q/k/v/o projections, gated MLP, input and pre-MLP norms, q/k norms; tied embedding, final norm
+    layer = 2560 * 128 * (32 + 2 * 8) + 32 * 128 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128
+    count = parameter_count("qwen3-4b")
+    assert count == 36 * layer + 151936 * 2560 + 2560
+    # the model card's totals: 4.0B parameters, 3.6B without the embedding
+    assert round(count / 1e9, 2) == 4.02 and round((count - 151936 * 2560) / 1e9, 1) == 3.6
 
 
 def test_qwen3_30b_a3b_architecture():
@@ -188,13 +203,6 @@ def test_bad_build_arguments(args, kwargs, error, message):
     build_model("qwen3-tiny")  # parallel state of this process: tp=1
     with pytest.raises(error, match=message):
         build_model(*args, **kwargs)
-
-
-def test_vocab_must_split_over_tp(tmp_path):
-    path = tmp_path / "odd-vocab.json"
-    path.write_text(json.dumps({**load_card("qwen3-tiny").config, "vocab_size": 255}))
-    with pytest.raises(ValueError, match=r"vocab_size \(255\) is not divisible by tp \(2\)"):
-        build_model(path, tp=2)
 
 
 def test_dense_models_fuse_their_swiglu_on_gpu(monkeypatch):

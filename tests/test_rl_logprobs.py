@@ -34,18 +34,44 @@ def test_vocab_parallel_logprobs_on_one_rank():
     assert vocab_parallel_logprobs(logits, targets)[1] is None
 
 
+@pytest.mark.parametrize("vocab_size", [37, 50])
+def test_padded_columns_count_in_no_softmax(vocab_size):
+    """The columns from vocab_size on (padding, made the largest logits here) change neither the
+    log-probs nor the entropy and get zero gradient: as the float64 softmax over the real columns."""
+    g = torch.Generator().manual_seed(1)
+    logits = 4 * torch.randn(6, 50, generator=g, dtype=torch.float64)
+    logits[:, vocab_size:] = 100.0
+    logits.requires_grad_()
+    targets = torch.randint(0, vocab_size, (6,), generator=g)
+    weights = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    logprobs, entropy = vocab_parallel_logprobs(logits, targets, None, True, vocab_size)
+    (grad,) = torch.autograd.grad((weights[0] * logprobs + weights[1] * entropy).sum(), logits)
+    real = logits.detach()[:, :vocab_size].requires_grad_()
+    log_softmax = torch.log_softmax(real, -1)
+    want_logprobs, want_entropy = log_softmax[torch.arange(6), targets], -(log_softmax.exp() * log_softmax).sum(-1)
+    (want_grad,) = torch.autograd.grad((weights[0] * want_logprobs + weights[1] * want_entropy).sum(), real)
+    torch.testing.assert_close(logprobs, want_logprobs)
+    torch.testing.assert_close(entropy, want_entropy)
+    torch.testing.assert_close(grad[:, :vocab_size], want_grad)
+    assert not grad[:, vocab_size:].any()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused (compiled) path runs on CUDA")
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_fused_cuda_path_matches_float64(with_entropy):
+@pytest.mark.parametrize("vocab_size", [None, 2950])  # 2950: the last 51 columns are padding
+def test_fused_cuda_path_matches_float64(with_entropy, vocab_size):
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows, vocab = 37, 3001  # odd sizes: no block divides them
-    logits = (4 * torch.randn(rows, vocab, device="cuda", generator=g)).bfloat16().requires_grad_()
+    rows, columns = 37, 3001  # odd sizes: no block divides them
+    vocab = vocab_size or columns
+    logits = (4 * torch.randn(rows, columns, device="cuda", generator=g)).bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
     weights = torch.randn(2, rows, device="cuda", generator=g)
-    logprobs, entropy = vocab_parallel_logprobs(logits, targets, None, with_entropy)
+    logprobs, entropy = vocab_parallel_logprobs(logits, targets, None, with_entropy, vocab_size)
     loss = (weights[0] * logprobs).sum() + ((weights[1] * entropy).sum() if with_entropy else 0)
     (grad,) = torch.autograd.grad(loss, logits)
-    exact = logits.detach().double().requires_grad_()
+    assert not grad[:, vocab:].any()
+    grad = grad[:, :vocab]
+    exact = logits.detach()[:, :vocab].double().requires_grad_()
     log_softmax = torch.log_softmax(exact, -1)
     exact_loss = (weights[0].double() * log_softmax[torch.arange(rows), targets]).sum()
     if with_entropy:
@@ -121,8 +147,10 @@ def run_two_ranks(scenario, tmp_path):
 @two_cpu_ranks
 def test_tensor_parallel_matches_one_rank(dense, tmp_path):
     """tp=2 (same seed, so the same full weights): log-probs, GRPO gradients of a replicated and a
-    vocab-split parameter, and vocab_parallel_logprobs against the full-vocabulary softmax."""
-    from distributed_worker import fixed_logits_and_targets
+    vocab-split parameter, vocab_parallel_logprobs against the float64 softmax over the real
+    vocabulary (all 256 columns, or fewer: padding in rank 1's shard, or all of it), and
+    linear_logprobs_func on weight shards against one rank with the whole weight."""
+    from distributed_worker import FUSED_CASES, VOCAB_SIZES, fixed_logits_and_targets, fixed_projection, fused_projection
     from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward
     from rollouts import perturbed
 
@@ -140,13 +168,26 @@ def test_tensor_parallel_matches_one_rank(dense, tmp_path):
     dense.zero_grad(set_to_none=True)
 
     logits, targets = fixed_logits_and_targets()
-    logits.requires_grad_()
-    logprobs, entropy = vocab_parallel_logprobs(logits, targets, None, with_entropy=True)
-    (logprobs.sum() + 0.5 * entropy.sum()).backward()
-    for result in ranks:
-        torch.testing.assert_close(result["vocab_logprobs"], logprobs)
-        torch.testing.assert_close(result["vocab_entropy"], entropy)
-    torch.testing.assert_close(torch.cat([r["vocab_grad"] for r in ranks], dim=1), logits.grad)
+    for vocab_size in VOCAB_SIZES:  # rank 1's shard: all tokens, partly padding, all padding
+        real = logits[:, :vocab_size].double().requires_grad_()
+        logprobs, entropy = vocab_parallel_logprobs(real, targets % real.shape[1], None, with_entropy=True)
+        (logprobs.sum() + 0.5 * entropy.sum()).backward()
+        want_grad = torch.cat([real.grad.float(), real.grad.new_zeros(7, 256 - real.shape[1]).float()], dim=1)
+        for result in ranks:
+            torch.testing.assert_close(result["vocab"][vocab_size]["logprobs"], logprobs.float())
+            torch.testing.assert_close(result["vocab"][vocab_size]["entropy"], entropy.float())
+        grad = torch.cat([r["vocab"][vocab_size]["grad"] for r in ranks], dim=1)
+        torch.testing.assert_close(grad, want_grad)
+        assert not grad[:, real.shape[1]:].any(), "padded columns get no gradient"
+
+    for case, (vocab_size, softcap) in enumerate(FUSED_CASES):
+        logprobs, entropy, d_hidden, d_weight = fused_projection(*fixed_projection(vocab_size), vocab_size, softcap)
+        for result in ranks:
+            got = result["fused"][case]
+            torch.testing.assert_close(got[0], logprobs, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[1], entropy, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[2], d_hidden, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.cat([r["fused"][case][3] for r in ranks]), d_weight, rtol=1e-12, atol=1e-12)
 
 
 @two_cpu_ranks

@@ -1,12 +1,23 @@
-"""Gemma's elementwise ops alone, at Gemma-4-31B shapes: our Triton kernels against the PyTorch ops
-they replace (eager, and ``torch.compile``'d), forward and forward+backward.
+"""Ops alone on the GPU, in bf16.
 
-For each op: median time and the bandwidth it reaches over the least traffic the op needs (its
-inputs read and its outputs written once per direction, in bf16), so a kernel far below the card's
-~4.8 TB/s shows at once. Prints a table and writes CSV:
+``--mode elementwise`` (default): Gemma's elementwise ops at Gemma-4-31B shapes, our Triton kernels
+against the PyTorch ops they replace (eager, and ``torch.compile``'d), forward and
+forward+backward. For each op: median time and the bandwidth it reaches over the least traffic the
+op needs (its inputs read and its outputs written once per direction, in bf16), so a kernel far
+below the card's ~4.8 TB/s shows at once.
+
+``--mode logprobs``: the response-token log-probs of one packed group from the final hidden states,
+Qwen3's and Gemma's vocabularies: ``all_logits`` (the output layer on every packed token, then the
+rows that predict response tokens through ``vocab_parallel_logprobs``: the path before
+``linear_logprobs_func``) against ``fused`` (``linear_logprobs_func`` on those rows only). For each:
+median forward and forward+backward time, and the forward+backward peak memory above the inputs
+(the hidden states, the weight and their gradients' shapes are the same for both).
+
+Prints a table and writes CSV (ops.csv, logprobs.csv):
 
     python tools/bench_ops.py --out bench/                 # N=16, P=8192, R=1024: 24,576 tokens
     python tools/bench_ops.py --ops geglu --tokens 8192
+    python tools/bench_ops.py --mode logprobs --out bench/ # 16,384 of the 24,576 rows predict
 """
 from __future__ import annotations
 
@@ -22,10 +33,16 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]  # the other tools, the package; also when imported by path
 from bench_attention import bench, write_table  # noqa: E402
 from tool_args import comma_names  # noqa: E402
+from megatron_dualkv.layout import DualKVLayout  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func, geglu_reference  # noqa: E402
+from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func, rms_norm_reference  # noqa: E402
+from megatron_dualkv.rl import ResponseTokens, vocab_parallel_logprobs  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM = 5376, 21504, 32, 256  # Gemma 4 31B (sliding layers' head dim)
+VOCABS = {"qwen3": 151936, "gemma3": 262208}
+LOGPROB_HIDDEN = 2560  # Qwen3-4B and Gemma-3-4B
+LOGPROB_METHODS = ("all_logits", "fused")
 
 
 @dataclass
@@ -89,8 +106,80 @@ def measure(name: str, method: str, tokens: int, device: torch.device) -> dict:
                 fwd_bwd_gbps=(fwd_bytes + bwd_bytes) / fwd_bwd_ms / 1e6)
 
 
+def logprob_inputs(vocab: int, group: Tuple[int, int, int], device: torch.device):
+    """(hidden [P + N*R, H] and weight [V, H], both taking gradients; the packed rows that predict
+    response tokens, their targets, upstream gradients of the log-probs and entropies)."""
+    responses, prompt, response = group
+    tokens = ResponseTokens.from_layout(DualKVLayout((prompt,), ((response,) * responses,)), device)
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(prompt + responses * response, LOGPROB_HIDDEN, device=device, generator=g)
+    weight = 0.06 * torch.randn(vocab, LOGPROB_HIDDEN, device=device, generator=g)  # logits of std ~3
+    targets = torch.randint(0, vocab, (tokens.num_tokens,), device=device, generator=g)
+    upstream = torch.randn(2, tokens.num_tokens, device=device, generator=g)
+    leaves = [t.bfloat16().requires_grad_() for t in (hidden, weight)]
+    return leaves, tokens.predictor_index, targets, upstream
+
+
+def logprob_method(method: str, hidden, weight, rows, targets, with_entropy: bool):
+    if method == "all_logits":  # Megatron's output layer on every token, then the predicting rows
+        return vocab_parallel_logprobs((hidden @ weight.T)[rows], targets, None, with_entropy)
+    return linear_logprobs_func(hidden[rows], weight, targets, with_entropy=with_entropy)
+
+
+def measure_logprobs(name: str, method: str, with_entropy: bool, group, device: torch.device) -> dict:
+    (hidden, weight), rows, targets, upstream = logprob_inputs(VOCABS[name], group, device)
+
+    def forward():
+        return logprob_method(method, hidden, weight, rows, targets, with_entropy)
+
+    def fwd_bwd():
+        logprobs, entropy = forward()
+        loss = (upstream[0] * logprobs).sum() + ((upstream[1] * entropy).sum() if with_entropy else 0)
+        return torch.autograd.grad(loss, (hidden, weight))
+
+    fwd_bwd()  # compiles (the all_logits path's torch.compile'd sums) and autotunes before the peak is taken
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = fwd_bwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - sum(g.numel() * g.element_size() for g in grads)
+    del grads
+    with torch.no_grad():
+        forward()  # the all_logits path compiles again without autograd
+        fwd_ms = bench(forward)
+    return dict(_logprob_row(name, method, with_entropy), rows=f"{hidden.shape[0]}>{rows.numel()}", fwd_ms=fwd_ms,
+                fwd_bwd_ms=bench(fwd_bwd), peak_gib=peak / 2**30)
+
+
+def _logprob_row(name: str, method: str, with_entropy: bool) -> dict:
+    return dict(vocab=f"{name} {VOCABS[name]}", rows="", method=method, entropy="yes" if with_entropy else "no")
+
+
+def logprobs_main(args, device: torch.device) -> None:
+    group = (16, 8192, 1024)
+    rows = []
+    for name in VOCABS:
+        for with_entropy in (False, True):
+            for method in LOGPROB_METHODS:
+                try:
+                    rows.append(measure_logprobs(name, method, with_entropy, group, device))
+                except Exception as e:  # noqa: BLE001 - report the row and go on
+                    error = f"{type(e).__name__}: {str(e)[:200]}"
+                    rows.append(dict(_logprob_row(name, method, with_entropy), error=error))
+                torch.cuda.empty_cache()
+    print(f"{torch.cuda.get_device_name()}, one group of {group[0]} x {group[1]} x {group[2]}, hidden "
+          f"{LOGPROB_HIDDEN}, bf16; peak: forward+backward above the inputs and the two gradients")
+    os.makedirs(args.out, exist_ok=True)
+    write_table(rows, os.path.join(args.out, "logprobs.csv"), [
+        ("vocab", "vocabulary", "14"), ("rows", "rows", "12"), ("method", "method", "11"), ("entropy", "entropy", "8"),
+        ("fwd_ms", "fwd ms", "8.2f"), ("fwd_bwd_ms", "fwd+bwd ms", "10.2f"), ("peak_gib", "peak GiB", "9.2f"),
+    ])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("elementwise", "logprobs"), default="elementwise")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
     parser.add_argument("--tokens", type=int, default=16 * 1024 + 8192, help="rows: P + N*R of one packed group")
@@ -99,6 +188,8 @@ def main():
     ops, methods = comma_names(parser, "--ops", args.ops, OPS), comma_names(parser, "--methods", args.methods, METHODS)
     if not torch.cuda.is_available():
         parser.error("bench_ops times GPU kernels: no CUDA device here")
+    if args.mode == "logprobs":
+        return logprobs_main(args, torch.device("cuda"))
     rows = []
     for name in ops:
         for method in methods:

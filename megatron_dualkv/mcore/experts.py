@@ -15,10 +15,15 @@ copy on every call moved ~29 GB per packed step at Qwen3-30B-A3B dimensions (24 
 in 4 layers, ~8 ms of HBM time; PERF_NOTES.md, run BO). Where something has moved the weights apart
 since (``module.to(dtype)``, the distributed optimizer's parameter buffer, a materialised meta
 model), the call stacks them as before.
+
+On the grouped path the experts' SwiGLU output can be recomputed instead of kept
+(``recompute_activations``, ``mcore.recompute``); a model built with that setting where the grouped
+path does not apply is refused, since SequentialMLP's loop would keep it.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .glu import plain_gated_linear_unit
+from .recompute import RecomputableActivation, checkpoint_without_output
 from .spec_entries import module_of, submodules_of, with_module, with_submodules
 
 
@@ -89,7 +95,13 @@ def _aligned(*widths_in_bytes: int) -> bool:
     return all(width % 16 == 0 for width in widths_in_bytes)  # torch._grouped_mm's stride rule
 
 
-class GroupedMMExperts(SequentialMLP):
+def _weighted_swiglu(fc1_output: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """As each expert's MLP: SwiGLU, times the routing probability in float32, in ``dtype``."""
+    gate, linear = torch.chunk(fc1_output, 2, -1)
+    return (F.silu(gate) * linear * probs.unsqueeze(-1)).to(dtype)
+
+
+class GroupedMMExperts(RecomputableActivation, SequentialMLP):
     """``SequentialMLP`` whose experts run as two grouped matmuls (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
@@ -97,10 +109,22 @@ class GroupedMMExperts(SequentialMLP):
         if self.num_local_experts > 1:
             for linear in ("linear_fc1", "linear_fc2"):
                 store_back_to_back(self.expert_weights(linear))
+        if getattr(self.config, "recompute_activations", False) and not self._grouped_path_applies(self._input_like()):
+            raise ValueError(
+                "recompute_activations: the experts' activation is recomputed on GroupedMMExperts' grouped path only "
+                "(2+ local experts, SwiGLU without biases, clamps or fused activations, bf16 on sm_90+ GPUs, 16-byte "
+                "aligned widths), which this model does not take"
+            )
 
     def expert_weights(self, linear: str) -> List[torch.Tensor]:
         """The local experts' weights of ``linear`` ("linear_fc1" or "linear_fc2"), in expert order."""
         return [getattr(e, linear).weight for e in self.local_experts]
+
+    def _input_like(self) -> torch.Tensor:
+        """An empty input of the model's dtype and width on its device, for checks before any input."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        width = self.local_experts[0].linear_fc1.weight.shape[1]
+        return torch.empty(0, width, dtype=self.config.params_dtype, device=device)
 
     def _grouped_path_applies(self, x: torch.Tensor) -> bool:
         config, expert = self.config, self.local_experts[0]
@@ -121,12 +145,18 @@ class GroupedMMExperts(SequentialMLP):
                 permuted_probs: torch.Tensor):
         x = permuted_local_hidden_states
         if not self._grouped_path_applies(x):
+            if self.recompute_activation:
+                raise ValueError(f"recompute_activations: GroupedMMExperts' grouped path does not take {x.dtype} input "
+                                 f"on {x.device}")
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         ends = torch.cumsum(torch.as_tensor(tokens_per_expert).to(x.device), 0).to(torch.int32)
-        # as each expert's MLP: fc1, SwiGLU, times the routing probability in float32, fc2
-        gate, linear = torch.chunk(grouped_linear(x, ends, self.expert_weights("linear_fc1")), 2, -1)
-        hidden = (F.silu(gate) * linear * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_linear(hidden, ends, self.expert_weights("linear_fc2")), None
+        fc1_output = grouped_linear(x, ends, self.expert_weights("linear_fc1"))
+        activation = partial(_weighted_swiglu, dtype=x.dtype)
+        hidden, release = checkpoint_without_output(activation, fc1_output, permuted_probs,
+                                                    enabled=self.recompute_activation)
+        output = grouped_linear(hidden, ends, self.expert_weights("linear_fc2"))
+        release(output)
+        return output, None
 
 
 def with_grouped_mm_experts(mlp):

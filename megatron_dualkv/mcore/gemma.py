@@ -15,7 +15,9 @@ Built from subclasses and a ``ModuleSpec``, never by editing Megatron (transform
 * ``GemmaSelfAttention``: per-layer-type head dim and key/value heads (Gemma 4 full-attention
   layers: 512 and fewer heads), keys reused as values (``attention_k_eq_v``), the value norm, and
   the layer type's RoPE frequencies.
-* ``GemmaTransformerLayer``: ``TransformerLayer`` times Gemma 4's ``layer_scalar``.
+* ``GemmaTransformerLayer``: ``DualKVTransformerLayer`` (the selective recompute of
+  ``mcore.recompute``, which also covers ``GemmaRMSNorm`` and ``GemmaMLP``) times Gemma 4's
+  ``layer_scalar``.
 * ``GemmaGPTModel``: ``DualKVGPTModel`` with the embedding scaled by ``sqrt(hidden_size)``,
   RoPE per layer type and final logit softcapping.
 
@@ -37,23 +39,26 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from ..ops.geglu import geglu_func, geglu_reference
 from ..ops.rms_norm import rms_norm_func, rms_norm_reference
 from .attention import DualKVAttention
+from .config import DualKVTransformerConfig
 from .glu import plain_gated_linear_unit
 from .gpt_model import DualKVGPTModel
+from .mlp import DualKVMLP
+from .recompute import DualKVTransformerLayer, RecomputableOutput
 
 
 @dataclass
-class GemmaTransformerConfig(TransformerConfig):
+class GemmaTransformerConfig(DualKVTransformerConfig):
     """``TransformerConfig`` plus what differs between Gemma's full-attention and sliding layers.
 
     ``kv_channels`` / ``num_query_groups`` are those of the sliding-window layers; the
@@ -93,7 +98,7 @@ class GemmaTransformerConfig(TransformerConfig):
         return slice(0, self.kv_channels)
 
 
-class GemmaRMSNorm(torch.nn.Module):
+class GemmaRMSNorm(RecomputableOutput):
     """RMSNorm in float32 like transformers' Gemma3RMSNorm / Gemma4RMSNorm, cast back to the input dtype.
 
     Weight ``1 + w`` (initialised to 0) when ``config.layernorm_zero_centered_gamma`` (Gemma 3),
@@ -112,7 +117,7 @@ class GemmaRMSNorm(torch.nn.Module):
         else:
             self.register_parameter("weight", None)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def compute(self, x: Tensor) -> Tensor:
         norm = rms_norm_func if x.is_cuda else rms_norm_reference  # one Triton kernel per direction on GPU
         return norm(x, self.weight, self.eps, self.zero_centered)
 
@@ -131,9 +136,10 @@ class PostNormRowParallelLinear(RowParallelLinear):
         return self.post_norm(output), bias
 
 
-class GemmaMLP(MLP):
+class GemmaMLP(DualKVMLP):
     """``MLP`` whose activation is Gemma's GeGLU, ``gelu_tanh(gate) * linear`` over fc1's two halves,
-    one Triton kernel per direction on GPU: Megatron's unfused path would run four PyTorch ops."""
+    one Triton kernel per direction on GPU: Megatron's unfused path would run four PyTorch ops.
+    Recomputed instead of kept where ``recompute_activation`` is set (``DualKVMLP``)."""
 
     def __init__(
         self, config: TransformerConfig, submodules: MLPSubmodules, pg_collection=None, is_mtp_layer: bool = False,
@@ -147,14 +153,8 @@ class GemmaMLP(MLP):
             kwargs.setdefault("tp_group", pg_collection.tp)
         super().__init__(config, submodules, **kwargs)
 
-    def forward(self, hidden_states: Tensor, per_token_scale: Optional[Tensor] = None, **kwargs):
-        if per_token_scale is not None:  # experts (Gemma's are dense): Megatron's own path
-            return super().forward(hidden_states, per_token_scale, **kwargs)
-        intermediate, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
-        activation = geglu_func if intermediate.is_cuda else geglu_reference
-        return self.linear_fc2(activation(intermediate))
+    def activation(self, intermediate: Tensor) -> Tensor:
+        return (geglu_func if intermediate.is_cuda else geglu_reference)(intermediate)
 
 
 @dataclass
@@ -239,8 +239,8 @@ def _without_value_rows(linear_qkv):
     return build
 
 
-class GemmaTransformerLayer(TransformerLayer):
-    """``TransformerLayer`` whose output is multiplied by ``layer_scalar`` (Gemma 4).
+class GemmaTransformerLayer(DualKVTransformerLayer):
+    """``DualKVTransformerLayer`` whose output is multiplied by ``layer_scalar`` (Gemma 4).
 
     A persistent buffer, not a parameter, as in transformers: checkpoints carry it, training
     leaves it alone.
@@ -266,7 +266,7 @@ def gemma_block_spec(
         )
     value_norm = ModuleSpec(module=GemmaRMSNorm, params={"with_scale": False}) if config.value_norm else None
     layer = ModuleSpec(
-        module=GemmaTransformerLayer if config.layer_scalar else TransformerLayer,
+        module=GemmaTransformerLayer if config.layer_scalar else DualKVTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=GemmaRMSNorm,
             self_attention=ModuleSpec(
@@ -381,7 +381,7 @@ class GemmaGPTModel(DualKVGPTModel):
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         cap = self.final_logit_softcapping
-        if cap is None:
+        if cap is None or self._skip_output_layer:  # no logits to cap (linear_logprobs_func caps its own)
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
         logits = super()._postprocess(hidden_states, input_ids, position_ids, None, *args, **kwargs)
         if not self.post_process:

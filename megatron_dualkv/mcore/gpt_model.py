@@ -17,6 +17,11 @@ field); Megatron's own modules get a group of one as their CP group, because the
 Pipeline parallelism: every stage gets the micro-batch's layout (and positions) through the same
 arguments; stages without the embedding ignore ``input_ids`` and take the hidden states the
 schedule hands them, but still need the layout for RoPE and attention.
+
+``forward(..., skip_output_layer=True)``: the last stage returns its final hidden states instead of
+the logits, for callers that project only some rows onto the vocabulary (``rl.logprobs``: the rows
+that predict response tokens). A keyword, so it passes through Megatron's DDP and ``Float16Module``
+wrappers, which forward ``**kwargs``.
 """
 from __future__ import annotations
 
@@ -38,9 +43,19 @@ class DualKVGPTModel(GPTModel):
     """``GPTModel`` for DualKV packed micro-batches (``packed_seq_params=DualKVPackedSeqParams``).
 
     Without packed params it is a plain ``GPTModel`` (the replicated baseline runs that way).
+
+    vocab_size: the rows of the embedding and output layer, padded for tensor parallelism
+    (``megatron_dualkv.mcore.parallel.padded_vocab_size``); unpadded_vocab_size: the tokens among
+    them (default: all), what token ids and the log-probs' softmax range over.
     """
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, max_sequence_length, pg_collection=None, **kwargs):
+    def __init__(
+        self, config, transformer_layer_spec, vocab_size, max_sequence_length, pg_collection=None,
+        *, unpadded_vocab_size: Optional[int] = None, **kwargs,
+    ):
+        unpadded_vocab_size = vocab_size if unpadded_vocab_size is None else unpadded_vocab_size
+        if not 1 <= unpadded_vocab_size <= vocab_size:
+            raise ValueError(f"unpadded_vocab_size ({unpadded_vocab_size}) must be in 1 .. vocab_size ({vocab_size})")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         context_parallel_group = pg_collection.cp
@@ -49,6 +64,9 @@ class DualKVGPTModel(GPTModel):
             pg_collection.cp = single_rank_group()
         super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, pg_collection=pg_collection, **kwargs)
         self.context_parallel_group = context_parallel_group
+        # set by forward for the duration of one call: GPTModel.forward hands _postprocess fixed arguments
+        self._skip_output_layer = False
+        self.unpadded_vocab_size = unpadded_vocab_size
         if self.position_embedding_type in ("yarn", "mrope"):
             raise ValueError(f"DualKVGPTModel supports rope, learned_absolute or no position embedding, got {self.position_embedding_type!r}")
         if self.position_embedding_type == "rope" and config.apply_rope_fusion:
@@ -69,11 +87,21 @@ class DualKVGPTModel(GPTModel):
         *args,
         loss_mask: Optional[Tensor] = None,
         padding_mask: Optional[Tensor] = None,
+        skip_output_layer: bool = False,
         **kwargs,
     ):
         """``GPTModel.forward``; under context parallelism on this rank's slice of the packed tokens
         (``[b, s]`` inputs, labels and masks and an ``[s, b, h]`` ``decoder_input`` are cut here;
-        the output covers the rank's tokens only)."""
+        the output covers the rank's tokens only).
+
+        skip_output_layer: on the last pipeline stage, return the final hidden states ``[s, b, h]``
+        (after the final norm; sequence-split under sequence parallelism, as the output layer gets
+        them) instead of the logits. Other stages return their hidden states either way.
+        """
+        if skip_output_layer and labels is not None:
+            raise ValueError("skip_output_layer=True returns hidden states: it cannot compute the loss of labels")
+        if skip_output_layer and self.config.mtp_num_layers:
+            raise ValueError("skip_output_layer=True skips multi-token prediction too: build with mtp_num_layers=None")
         if isinstance(packed_seq_params, DualKVPackedSeqParams) and context_parallel_size(self.context_parallel_group) > 1:
             _check_inputs_match_layout(packed_seq_params, input_ids)
             packed_seq_params = context_parallel_params(packed_seq_params, self.context_parallel_group)
@@ -82,10 +110,19 @@ class DualKVGPTModel(GPTModel):
                 None if x is None else x[:, tokens] for x in (input_ids, position_ids, labels, loss_mask, padding_mask)
             )
             decoder_input = None if decoder_input is None else decoder_input[tokens]
-        return super().forward(
-            input_ids, position_ids, attention_mask, decoder_input, labels, inference_context, packed_seq_params,
-            *args, loss_mask=loss_mask, padding_mask=padding_mask, **kwargs,
-        )
+        self._skip_output_layer = skip_output_layer
+        try:
+            return super().forward(
+                input_ids, position_ids, attention_mask, decoder_input, labels, inference_context, packed_seq_params,
+                *args, loss_mask=loss_mask, padding_mask=padding_mask, **kwargs,
+            )
+        finally:
+            self._skip_output_layer = False
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if self._skip_output_layer and self.post_process:
+            return hidden_states  # the decoder applied the final norm
+        return super()._postprocess(hidden_states, *args, **kwargs)
 
     def _preprocess(
         self,

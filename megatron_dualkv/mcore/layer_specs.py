@@ -9,9 +9,12 @@ submodule is swapped, through ``ModuleSpec`` copies, never by patching Megatron.
   SequentialMLP experts as ``GroupedMMExperts``, or legacy GroupedMLP when the grouped_gemm
   package is installed; MoE layers as ``GatheredPermutationMoELayer``);
   runs on CPU and GPU. Its torch norms are ``SequenceParallelTorchNorm`` (``mcore.norms``), so it
-  also runs under sequence parallelism.
+  also runs under sequence parallelism. Its layers are ``DualKVTransformerLayer``s, which run the
+  selective recompute of ``mcore.recompute`` (with ``recompute_activations``, the dense MLP is
+  ``DualKVMLP``).
 * ``dualkv_te_block_spec``: Transformer Engine linears and norms (LayerNorm fused into the QKV
-  and FC1 linears, TEGroupedMLP experts); only when transformer_engine imports.
+  and FC1 linears, TEGroupedMLP experts); only when transformer_engine imports. Megatron's own
+  layers: our selective recompute does not apply (TE's is Megatron's ``recompute_modules``).
 """
 from __future__ import annotations
 
@@ -25,11 +28,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .attention import DualKVAttention
 from .experts import with_grouped_mm_experts
+from .mlp import with_dualkv_mlp
 from .moe_layer import with_gathered_permutation
 from .norms import with_sequence_parallel_torch_norms
+from .recompute import DualKVTransformerLayer
 
 
 def transformer_engine_available() -> bool:
@@ -44,7 +50,7 @@ def dualkv_local_block_spec(config: TransformerConfig, vp_stage: Optional[int] =
     # Megatron's local block picks apex FusedLayerNorm for the final norm whenever apex imports,
     # and FusedLayerNorm rejects RMSNorm; the torch norm follows config.normalization.
     block = replace(block, layer_norm=WrappedTorchNorm)
-    block = replace(block, layer_specs=[_layer_with_local_moe(spec) for spec in block.layer_specs])
+    block = replace(block, layer_specs=[_local_layer(spec, config) for spec in block.layer_specs])
     return _with_dualkv_attention(with_sequence_parallel_torch_norms(block))
 
 
@@ -59,9 +65,15 @@ def _with_dualkv_attention(block: TransformerBlockSubmodules) -> TransformerBloc
     return replace(block, layer_specs=[_layer_with_dualkv_attention(spec) for spec in block.layer_specs])
 
 
-def _layer_with_local_moe(layer: ModuleSpec) -> ModuleSpec:
+def _local_layer(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+    """Megatron's local layer as ``DualKVTransformerLayer``, with our MoE modules (and ``DualKVMLP``
+    where the activation is recomputed)."""
+    if layer.module is not TransformerLayer:
+        raise ValueError(f"the local DualKV spec builds on Megatron's TransformerLayer, got {layer.module.__name__}")
     mlp = with_gathered_permutation(with_grouped_mm_experts(layer.submodules.mlp))
-    return replace(layer, submodules=replace(layer.submodules, mlp=mlp))
+    if getattr(config, "recompute_activations", False):
+        mlp = with_dualkv_mlp(mlp)
+    return replace(layer, module=DualKVTransformerLayer, submodules=replace(layer.submodules, mlp=mlp))
 
 
 def _layer_with_dualkv_attention(layer: ModuleSpec) -> ModuleSpec:

@@ -11,7 +11,8 @@ only sees its own tokens: Megatron's ``finalize_model_grads`` does that for ever
 torch fuses RMSNorm's forward but runs its backward as separate elementwise kernels (pow, mean,
 mul, ...): on the H200, 17 norms of a 4-layer Qwen3-8B step cost more than the forward attention.
 ``FusedRMSNorm`` compiles it (``torch.compile``, as Megatron's own ``jit_fuser``) on CUDA, giving
-one kernel per direction; elsewhere it is torch's RMSNorm.
+one kernel per direction; elsewhere it is torch's RMSNorm. Its output can be recomputed instead of
+kept (``RecomputableOutput``: the selective recompute of ``mcore.recompute``).
 """
 from __future__ import annotations
 
@@ -24,20 +25,22 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .recompute import RecomputableOutput
+
 
 @torch.compile(dynamic=True)
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
-class FusedRMSNorm(torch.nn.RMSNorm):
+class FusedRMSNorm(RecomputableOutput, torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with one fused kernel per direction on CUDA (the same math)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         # without autograd torch's own forward is already one kernel (and no compiled variant per grad mode)
         if x.is_cuda and torch.is_grad_enabled() and self.weight is not None and self.eps is not None:
             return _rms_norm(x, self.weight, self.eps)
-        return super().forward(x)
+        return torch.nn.RMSNorm.forward(self, x)
 
 
 class SequenceParallelTorchNorm(WrappedTorchNorm):

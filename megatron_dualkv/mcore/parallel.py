@@ -11,6 +11,12 @@ the ``ParallelPlan`` (including dp) that launch scripts use; ``ParallelSizes`` g
 sizes: in a plain single process it starts a world of one (gloo on CPU, nccl on GPU), under
 torchrun it joins the launched world.
 
+Layer counts and vocabularies that do not divide: ``pipeline_stage_fields`` splits a layer count
+that pp does not divide with Megatron's own uneven-split fields
+(``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``), and checks those
+fields when the caller sets them; ``padded_vocab_size`` is Megatron-LM's vocabulary padding for
+tensor parallelism.
+
 Context parallelism is DualKV's own (Ulysses, ``megatron_dualkv.mcore.context_parallel``): the
 context-parallel group of Megatron's ``parallel_state`` has ``cp`` ranks, so DDP,
 ``finalize_model_grads`` and the schedules reduce gradients over dp x cp and scale the loss by cp
@@ -23,11 +29,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 _single_rank_group: Optional[dist.ProcessGroup] = None
 
@@ -158,7 +165,7 @@ def plan_for_world(sizes: ParallelSizes, world_size: int) -> ParallelPlan:
     return ParallelPlan(sizes=sizes, world_size=world_size, dp=dp, expert_dp=stage_ranks // expert_ranks)
 
 
-def check_model_split(config, vocab_size: int, sizes: ParallelSizes) -> None:
+def check_model_split(config, sizes: ParallelSizes) -> None:
     """ValueError when a model of ``config`` cannot be split ``sizes`` ways (what Megatron would
     only assert, or find out in the middle of a forward)."""
     heads_split = sizes.tp * sizes.cp
@@ -167,15 +174,127 @@ def check_model_split(config, vocab_size: int, sizes: ParallelSizes) -> None:
             f"num_attention_heads ({config.num_attention_heads}) is not divisible by tp*cp ({heads_split}): "
             "tensor parallelism and then Ulysses context parallelism split the attention heads"
         )
-    if vocab_size % sizes.tp:
-        raise ValueError(f"vocab_size ({vocab_size}) is not divisible by tp ({sizes.tp})")
-    stages = sizes.pp * (sizes.vpp or 1)
-    if config.num_layers % stages:
-        raise ValueError(f"num_layers ({config.num_layers}) is not divisible by pp*vpp ({stages}) pipeline stages")
     if config.num_moe_experts and config.num_moe_experts % sizes.ep:
         raise ValueError(f"num_moe_experts ({config.num_moe_experts}) is not divisible by ep ({sizes.ep})")
     if config.num_moe_experts and sizes.tp > 1 and not sizes.sp:
         raise ValueError("Megatron's MoE layers train under tensor parallelism only with sequence parallelism: sp=True (the default)")
+
+
+STAGE_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+# Megatron's other ways of placing layers on stages: given any of them, the split is the caller's.
+_OTHER_SPLIT_FIELDS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def pipeline_stage_fields(num_layers: int, sizes: ParallelSizes, config_fields: Mapping[str, Any]) -> Dict[str, int]:
+    """The ``TransformerConfig`` fields that put ``num_layers`` on the pipeline stages of ``sizes``,
+    given the fields the config already has (``config_fields``: the card's and the caller's).
+
+    A split the caller set is checked (``num_layers_in_first/last_pipeline_stage``: ValueError
+    naming the field when Megatron cannot run it; ``pipeline_model_parallel_layout``: its model
+    chunks per stage must be ``vpp``) and nothing is added. Otherwise a layer count that divides
+    by pp*vpp keeps Megatron's even split, and one that does not gets ``balanced_stage_layers``
+    (per model chunk under vpp) as Megatron's first- and last-stage layer counts (at pp=2 the
+    first only: Megatron then gives the second stage the rest).
+    """
+    first, last = (config_fields.get(name) for name in STAGE_FIELDS)
+    layout = config_fields.get("pipeline_model_parallel_layout")
+    if layout is not None:
+        _check_layout_chunks(layout, sizes)
+        return {}
+    if first is not None or last is not None:
+        _check_stage_layers(num_layers, sizes, first, last)
+        return {}
+    chunks = sizes.vpp or 1
+    if sizes.pp == 1 or num_layers % (sizes.pp * chunks) == 0 or any(config_fields.get(f) for f in _OTHER_SPLIT_FIELDS):
+        return {}
+    if num_layers % chunks:
+        raise ValueError(
+            f"num_layers ({num_layers}) does not split over pp={sizes.pp} stages of vpp={chunks} model chunks: an "
+            "uneven split needs every stage's layer count to be a multiple of vpp; choose a vpp dividing num_layers"
+        )
+    counts = balanced_stage_layers(num_layers // chunks, sizes.pp)
+    if sizes.pp == 2:  # the second stage as Megatron's one middle stage: see _check_stage_layers
+        return {STAGE_FIELDS[0]: counts[0] * chunks}
+    return dict(zip(STAGE_FIELDS, (counts[0] * chunks, counts[-1] * chunks)))
+
+
+def balanced_stage_layers(num_layers: int, pp: int) -> Tuple[int, ...]:
+    """Layers per pipeline stage when ``num_layers`` does not divide by ``pp``, in Megatron's uneven
+    form (the middle stages equal): the split whose largest stage is smallest; among those, the
+    one whose first and last stages are lightest (they also hold the embedding and the output
+    layer), the last no heavier than the first. 62 layers over 4 stages: 15, 16, 16, 15."""
+    if num_layers < pp:
+        raise ValueError(f"num_layers ({num_layers}) is fewer than pp ({pp}): every pipeline stage needs a layer")
+    if pp == 2:
+        return (num_layers - num_layers // 2, num_layers // 2)
+
+    def split(middle: int) -> Tuple[int, ...]:
+        ends = num_layers - (pp - 2) * middle
+        return (ends - ends // 2,) + (middle,) * (pp - 2) + (ends // 2,)
+
+    candidates = [split(middle) for middle in range(1, (num_layers - 2) // (pp - 2) + 1)]
+    return min(candidates, key=lambda counts: (max(counts), -counts[1]))
+
+
+def _check_stage_layers(num_layers: int, sizes: ParallelSizes, first: Optional[int], last: Optional[int]) -> None:
+    """ValueError naming the field when Megatron cannot build these first/last-stage layer counts."""
+    given = {name: value for name, value in zip(STAGE_FIELDS, (first, last)) if value is not None}
+    chunks = sizes.vpp or 1
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if sizes.pp == 1:
+            raise ValueError(f"{name}={value} places layers on pipeline stages and needs pp > 1")
+        if value % chunks:
+            raise ValueError(
+                f"{name} ({value}) must be a multiple of vpp ({chunks}): the stage's model chunks get equal layers"
+            )
+    middle_stages, middle_layers = sizes.pp - len(given), num_layers - sum(given.values())
+    named = " + ".join(f"{name} ({value})" for name, value in given.items())
+    if sizes.vpp and middle_stages == 0:
+        # Megatron (0.16 to 0.19) divides the interleaved layer offsets by the number of middle stages
+        raise ValueError(
+            f"{named} with vpp={sizes.vpp} leave no middle pipeline stage, which Megatron's interleaved layer offsets "
+            "need: set num_layers_in_first_pipeline_stage only"
+        )
+    if middle_stages == 0 and middle_layers:
+        raise ValueError(f"{named} must add up to num_layers ({num_layers}) over pp={sizes.pp} stages")
+    if middle_stages and (middle_layers < middle_stages or middle_layers % middle_stages):
+        raise ValueError(
+            f"{named} leave {middle_layers} of num_layers ({num_layers}) for the other {middle_stages} pipeline "
+            f"stage(s), which Megatron gives equal layer counts of at least 1: choose values that leave a multiple "
+            f"of {middle_stages}"
+        )
+    if middle_stages and middle_layers // middle_stages % chunks:
+        raise ValueError(
+            f"{named} leave {middle_layers // middle_stages} layers on each other pipeline stage, not a multiple of "
+            f"vpp ({chunks})"
+        )
+
+
+def _check_layout_chunks(layout, sizes: ParallelSizes) -> None:
+    """ValueError when ``pipeline_model_parallel_layout`` has another number of model chunks per stage than vpp."""
+    if isinstance(layout, PipelineParallelLayerLayout):
+        chunks = layout.virtual_pipeline_model_parallel_size
+    else:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(layout) if isinstance(layout, str) else layout
+        chunks = len(stages) // sizes.pp
+    if chunks != (sizes.vpp or 1):
+        raise ValueError(
+            f"pipeline_model_parallel_layout has {chunks} model chunk(s) per pipeline stage, but build_model was given "
+            f"vpp={sizes.vpp}: pass vpp={chunks if chunks > 1 else None}"
+        )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
+    """Megatron-LM's padded vocabulary: the smallest multiple of ``make_vocab_size_divisible_by * tp``
+    that holds ``vocab_size`` (itself when it already is one). The padded rows of the embedding
+    and the output layer are never a token: log-probs leave them out of every softmax."""
+    divisor = make_vocab_size_divisible_by
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"make_vocab_size_divisible_by must be a positive int, got {divisor!r}")
+    multiple = divisor * tp
+    return -(-vocab_size // multiple) * multiple
 
 
 def current_parallel_sizes(config=None) -> ParallelSizes:

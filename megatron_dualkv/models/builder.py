@@ -8,14 +8,22 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import package_info, parallel_state
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
 from ..mcore.layer_specs import transformer_engine_available
 from ..mcore.multi_tensor import use_foreach_multi_tensor_ops
-from ..mcore.parallel import ParallelSizes, check_model_split, initialize_parallel_state
+from ..mcore.parallel import (
+    ParallelSizes,
+    check_model_split,
+    initialize_parallel_state,
+    padded_vocab_size,
+    pipeline_stage_fields,
+)
+from ..mcore.recompute import TE_ONLY_RECOMPUTE_MODULES, recompute_config_kwargs
 from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
@@ -24,7 +32,10 @@ from .qwen3 import QWEN3, QWEN3_MOE
 FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4)}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRANSFORMER_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+# Megatron-Core 0.16's block recompute calls the layers it does not recompute without the padding mask
+_BLOCK_RECOMPUTE_PASSES_PADDING = (package_info.MAJOR, package_info.MINOR) >= (0, 17)
+_RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+                     "recompute_norms", "recompute_activations")
 
 
 def family_of(card: ModelCard) -> ModelFamily:
@@ -48,6 +59,9 @@ def build_model(
     dtype: Optional[torch.dtype] = None,
     seed: int = 1234,
     use_transformer_engine: Optional[bool] = None,
+    make_vocab_size_divisible_by: int = 128,
+    recompute: Optional[str] = None,
+    recompute_layers: Optional[int] = None,
     **overrides: Any,
 ) -> Union[DualKVGPTModel, List[DualKVGPTModel]]:
     """Build the Megatron-Core model of ``card`` for the DualKV packed layout.
@@ -60,15 +74,30 @@ def build_model(
         turned into Megatron's parallel state by ``megatron_dualkv.mcore.parallel``; a world
         larger than one process is the launcher's (torchrun), whose process group is joined.
         Under pp > 1 this rank's stage is built; with vpp > 1 the result is the list of its vpp
-        model chunks (Megatron's model-chunk list, as the interleaved schedule takes it).
+        model chunks (Megatron's model-chunk list, as the interleaved schedule takes it). A layer
+        count that does not divide by pp*vpp is split unevenly (``pipeline_stage_fields``: e.g.
+        62 layers over pp=4 as 15, 16, 16, 15); the overrides
+        ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` or
+        ``pipeline_model_parallel_layout`` choose the split instead.
     dtype: parameter dtype (default: the card's ``torch_dtype``, float32 if it has none).
     seed: Megatron's model-parallel RNG seed. The same seed gives the same weights at any tp, but
         not across pp/ep layouts (each stage or expert rank draws for its own layers): to compare
         layouts, start them from one checkpoint (``save_model`` / ``load_model``).
     use_transformer_engine: None picks the TE spec when transformer_engine imports, CUDA is
         available and the family has one (Gemma has not), else the torch-native local spec.
-    overrides: ``TransformerConfig`` fields replacing the card's (e.g. ``num_layers=2``,
-        ``moe_aux_loss_coeff=0.0``).
+    make_vocab_size_divisible_by: the embedding and output layer have the card's vocabulary
+        padded to a multiple of this times tp, as Megatron-LM pads it (``padded_vocab_size``;
+        1: a multiple of tp only). The model's ``vocab_size`` is the padded size,
+        ``unpadded_vocab_size`` the card's; the padded rows are no token, and the log-probs leave
+        them out of every softmax.
+    recompute: activation recompute, "none" (None), "selective" (the norm outputs and MLP
+        activations of every layer, by the local and Gemma specs, no TE needed) or "full"
+        (Megatron's full recompute); recompute_layers=N: the first N layers of every pipeline
+        stage (model chunk) recomputed whole, by Megatron, with "selective" or "full"
+        (``mcore.recompute.recompute_config_kwargs`` gives the config fields of each setting).
+    overrides: ``TransformerConfig`` (``DualKVTransformerConfig``) fields replacing the card's
+        (e.g. ``num_layers=2``, ``moe_aux_loss_coeff=0.0``), Megatron's own recompute fields
+        (``recompute_granularity``, ``recompute_modules``, ...) included when ``recompute`` is not given.
 
     In a plain single process it first maps megatron-core's CUDA-only calls when there is no GPU
     (``enable_cpu_compat``) and initialises ``torch.distributed`` and Megatron's parallel state
@@ -85,10 +114,16 @@ def build_model(
         )
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
+    overrides = _with_recompute(overrides, recompute, recompute_layers)
+    _refuse_te_only_recompute(overrides)
     config = build_transformer_config(card, family, sizes, _param_dtype(card, dtype), use_transformer_engine, overrides)
+    check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
-    check_model_split(config, model_kwargs["vocab_size"], sizes)
+    vocab_size = model_kwargs["vocab_size"]
+    padded = padded_vocab_size(vocab_size, tp, make_vocab_size_divisible_by)
+    model_kwargs.update(vocab_size=padded, unpadded_vocab_size=vocab_size)
     initialize_parallel_state(sizes, seed)
+    _check_recompute(config, use_transformer_engine)
     chunks = [_pipeline_chunk(family, config, use_transformer_engine, model_kwargs, vp_stage) for vp_stage in range(sizes.vpp or 1)]
     return chunks if sizes.vpp else chunks[0]
 
@@ -115,12 +150,14 @@ def build_transformer_config(
     use_transformer_engine: bool,
     overrides: Dict[str, Any],
 ) -> TransformerConfig:
-    """Architecture (family) + parallel sizes + precision + overrides -> ``TransformerConfig``."""
-    unknown = sorted(set(overrides) - _TRANSFORMER_CONFIG_FIELDS)
+    """Architecture (family) + parallel sizes + precision + overrides -> ``TransformerConfig``
+    (the family's ``config_class``)."""
+    config_fields = frozenset(f.name for f in dataclasses.fields(family.config_class))
+    unknown = sorted(set(overrides) - config_fields)
     if unknown:
-        hints = {k: difflib.get_close_matches(k, _TRANSFORMER_CONFIG_FIELDS, n=1) for k in unknown}
+        hints = {k: difflib.get_close_matches(k, config_fields, n=1) for k in unknown}
         raise ValueError(
-            "unknown build_model overrides (not TransformerConfig fields): "
+            f"unknown build_model overrides (not {family.config_class.__name__} fields): "
             + ", ".join(f"{k}" + (f" (did you mean {v[0]}?)" if v else "") for k, v in hints.items())
         )
     kwargs = family.transformer_config_kwargs(card)
@@ -148,7 +185,71 @@ def build_transformer_config(
         # time to a step that host time already binds (PERF_NOTES.md, run L).
         kwargs["bias_activation_fusion"] = True
     kwargs.update(overrides)
+    kwargs.update(pipeline_stage_fields(kwargs["num_layers"], sizes, kwargs))
     return family.config_class(**kwargs)
+
+
+def _with_recompute(overrides: Dict[str, Any], recompute: Optional[str], layers: Optional[int]) -> Dict[str, Any]:
+    """``overrides`` plus the config fields of ``recompute`` / ``recompute_layers``, which must not
+    also be set one by one."""
+    if recompute is None and layers is None:
+        return overrides
+    conflicting = [k for k in _RECOMPUTE_FIELDS if k in overrides]
+    if conflicting:
+        raise ValueError(
+            f"recompute={recompute!r} sets the recompute fields; do not also pass {', '.join(conflicting)}"
+        )
+    return {**overrides, **recompute_config_kwargs(recompute, layers)}
+
+
+def _refuse_te_only_recompute(overrides: Dict[str, Any]) -> None:
+    """ValueError for Megatron's selective modules that need Transformer Engine, without it (before
+    Megatron's own config checks, which give other reasons)."""
+    te_only = sorted(set(overrides.get("recompute_modules") or []) & set(TE_ONLY_RECOMPUTE_MODULES))
+    if overrides.get("recompute_granularity") == "selective" and te_only and not transformer_engine_available():
+        raise ValueError(
+            f"recompute_modules {te_only}: Megatron-Core recomputes these through Transformer Engine "
+            "(CheckpointWithoutOutput), which is not installed; recompute='selective' recomputes the norms and "
+            "activations without it"
+        )
+
+
+def _check_recompute(config: TransformerConfig, use_transformer_engine: bool) -> None:
+    """ValueError naming the field for a recompute setting these layers cannot run."""
+    if config.recompute_granularity == "full":
+        # Megatron counts recompute_num_layers within each pipeline stage / model chunk
+        vpp = config.virtual_pipeline_model_parallel_size
+        most = max(
+            get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+            for pp_rank in range(config.pipeline_model_parallel_size)
+            for vp_stage in (range(vpp) if vpp else [None])
+        )
+        if config.recompute_num_layers > most:
+            raise ValueError(
+                f"recompute_layers (recompute_num_layers) = {config.recompute_num_layers} is more than the {most} "
+                f"layers of a pipeline {'model chunk' if vpp else 'stage'}"
+            )
+        if config.recompute_method == "block" and _counts_routed_tokens(config) and not _BLOCK_RECOMPUTE_PASSES_PADDING:
+            raise ValueError(
+                "recompute_layers with MoE load balancing (moe_aux_loss_coeff, moe_z_loss_coeff or "
+                "moe_router_enable_expert_bias) on megatron-core < 0.17: its block recompute runs the layers it does "
+                "not recompute without the padding mask, so their routing statistics would count the packing's "
+                "padding tokens; set those off, recompute every layer, or use megatron-core 0.17+"
+            )
+    ours = [k for k in ("recompute_norms", "recompute_activations") if getattr(config, k, False)]
+    if ours and use_transformer_engine:
+        raise ValueError(
+            f"{' and '.join(ours)} (recompute='selective') run in the local spec's layers, not in Transformer "
+            "Engine's, which fuses the norms into its linears: build with use_transformer_engine=False, or use "
+            "Megatron's recompute_modules with TE"
+        )
+
+
+def _counts_routed_tokens(config: TransformerConfig) -> bool:
+    """Whether MoE routing statistics over the tokens (load-balancing losses, expert bias) train the model."""
+    return bool(config.num_moe_experts) and bool(
+        config.moe_aux_loss_coeff or config.moe_z_loss_coeff or config.moe_router_enable_expert_bias
+    )
 
 
 def _legacy_grouped_gemm_available() -> bool:

@@ -11,7 +11,11 @@ A Megatron checkpoint folder (what ``hf_to_megatron`` and ``save_model`` write) 
 
 The tensors are stored under the keys of ``sharded_state_dict(model)`` (Megatron's sharded state
 dict, one key per layer) as global tensors with sharding metadata: a checkpoint loads at any
-tp/pp/ep, whatever it was written at.
+tp/pp/ep, whatever it was written at. The embedding and output layer keep the rows their writer
+had: the real vocabulary (``hf_to_megatron``), or the writer's vocabulary padded for its tp
+(``save_model``). Megatron marks both tensors ``allow_shape_mismatch``: a model of another padding
+loads the rows it shares with the stored tensor and zeros for the rest, and ``megatron_to_hf``
+reads the real vocabulary's rows.
 
 Memory: ``hf_to_megatron`` plans the whole checkpoint from the safetensors headers and a model on
 the meta device (every name and shape checked before anything is written), then
@@ -132,13 +136,13 @@ def hf_to_megatron(
 ) -> None:
     """Convert a Hugging Face checkpoint folder into a Megatron checkpoint folder ``out_dir``.
 
-    tp, pp, ep: the parallel sizes the checkpoint is meant for: checked against the model (heads,
-    vocabulary, layers and experts must split that many ways) and recorded. The stored tensors
-    are global, so it loads at any sizes. text_only: convert the text decoder of a multimodal
-    checkpoint (``model.language_model.*`` tensors), leaving the vision tower out. card: the model
-    card to build from instead of the folder's ``config.json`` (e.g. ``"gemma3-27b"``: published
-    multimodal configs leave out the fields that take transformers' defaults); it becomes the
-    checkpoint's ``config.json``.
+    tp, pp, ep: the parallel sizes the checkpoint is meant for: checked against the model (heads
+    and experts must split that many ways, layers over pp as ``build_model`` splits them) and
+    recorded. The stored tensors are global, with the real vocabulary, so it loads at any sizes.
+    text_only: convert the text decoder of a multimodal checkpoint (``model.language_model.*``
+    tensors), leaving the vision tower out. card: the model card to build from instead of the
+    folder's ``config.json`` (e.g. ``"gemma3-27b"``: published multimodal configs leave out the
+    fields that take transformers' defaults); it becomes the checkpoint's ``config.json``.
 
     ValueError, before anything is written, for a model no family supports, missing, unexpected
     or misshapen tensors. ``out_dir`` must not exist; it appears only once complete.
@@ -393,11 +397,11 @@ def _stored_tensors(megatron_dir: Path) -> Dict[str, TensorStorageMetadata]:
 
 
 def _check_stored_tensors(megatron_dir: Path, stored: Dict[str, TensorStorageMetadata], entries: Dict[str, ShardedEntry]) -> None:
-    expected = {piece.key: tuple(piece.global_shape) for entry in entries.values() for piece in _pieces(entry, entry.data)}
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    reshaped = [f"{key} {tuple(stored[key].size)} (expected {shape})" for key, shape in expected.items()
-                if key in stored and tuple(stored[key].size) != shape]
+    pieces = {piece.key: piece for entry in entries.values() for piece in _pieces(entry, entry.data)}
+    missing = sorted(set(pieces) - set(stored))
+    unexpected = sorted(set(stored) - set(pieces))
+    reshaped = [f"{key} {tuple(stored[key].size)} (expected {tuple(piece.global_shape)})"
+                for key, piece in pieces.items() if key in stored and not _fits(tuple(stored[key].size), piece)]
     if missing or unexpected or reshaped:
         raise ValueError(
             f"{megatron_dir}: the stored tensors do not match the model of its {CONFIG_NAME}: missing {_first(missing)}, "
@@ -405,8 +409,18 @@ def _check_stored_tensors(megatron_dir: Path, stored: Dict[str, TensorStorageMet
         )
 
 
+def _fits(stored_shape: Tuple[int, ...], piece: ShardedTensor) -> bool:
+    """Whether a stored tensor holds ``piece``: its shape, or for a vocabulary tensor (Megatron's
+    ``allow_shape_mismatch``) at least its rows, padded by a writer at another tp."""
+    shape = tuple(piece.global_shape)
+    if piece.allow_shape_mismatch:
+        return stored_shape[1:] == shape[1:] and stored_shape[0] >= shape[0]
+    return stored_shape == shape
+
+
 def _load_full_tensors(megatron_dir: Path, entries: Dict[str, ShardedEntry], stored) -> Dict[str, Tensor]:
-    """The full (tp=1) tensors of ``entries``, in their stored dtype, through Megatron's loader."""
+    """The full (tp=1) tensors of ``entries``, in their stored dtype, through Megatron's loader
+    (a padded vocabulary tensor: its first ``vocab_size`` rows)."""
     request = {
         name: _holding(entry, torch.empty(entry.data.shape, dtype=stored[entry.key].properties.dtype))
         for name, entry in entries.items()
@@ -425,7 +439,7 @@ def _layer_index(mapping: TensorMapping) -> Optional[int]:
 def _check_parallel_sizes(card: ModelCard, family: ModelFamily, sizes: ParallelSizes) -> None:
     """ValueError when the model of ``card`` cannot be split ``sizes`` ways."""
     config = build_transformer_config(card, family, sizes, torch.float32, False, {"moe_grouped_gemm": False})
-    check_model_split(config, family.gpt_model_kwargs(card)["vocab_size"], sizes)
+    check_model_split(config, sizes)
 
 
 def _hf_config(card: ModelCard) -> dict:

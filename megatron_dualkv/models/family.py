@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from ..mcore.config import DualKVTransformerConfig
 from ..mcore.gpt_model import DualKVGPTModel
 from ..mcore.layer_specs import dualkv_local_block_spec, dualkv_te_block_spec
 from .cards import ModelCard
@@ -127,7 +128,7 @@ class ModelFamily:
     transformer_config_kwargs: Callable[[ModelCard], Dict[str, Any]]
     gpt_model_kwargs: Callable[[ModelCard], Dict[str, Any]]
     # Megatron building blocks: Megatron's GPT layers with DualKV attention unless a family brings its own
-    config_class: type = TransformerConfig
+    config_class: type = DualKVTransformerConfig
     block_spec: Callable[[TransformerConfig, bool, Optional[int]], TransformerBlockSubmodules] = dualkv_gpt_block_spec
     model_class: type = DualKVGPTModel
     supports_transformer_engine: bool = True
@@ -159,12 +160,33 @@ class ModelFamily:
         return self.hf_state_dict_mapping(card, config).to_hf(state_dict)
 
 
+# The Megatron tensors with one row per vocabulary entry: padded for tensor parallelism in a live
+# model (``DualKVGPTModel.vocab_size``), the real vocabulary everywhere else (Hugging Face, checkpoints).
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 def load_megatron_state_dict(model: torch.nn.Module, state_dict: Dict[str, Tensor]) -> None:
-    """``model.load_state_dict`` that only forgives absent ``_extra_state`` entries (no tensors)."""
+    """``model.load_state_dict`` that only forgives absent ``_extra_state`` entries (no tensors).
+
+    The embedding and output layer of the real vocabulary (what ``hf_to_megatron`` makes) get
+    zero rows up to the model's padded vocabulary (Megatron's checkpoint loader pads the same way).
+    """
+    own = model.state_dict(keep_vars=True)
+    state_dict = {
+        name: _padded_rows(tensor, own[name]) if name in VOCAB_TENSORS and name in own else tensor
+        for name, tensor in state_dict.items()
+    }
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"state dict does not fit the model: missing {_first(missing)}, unexpected {_first(unexpected)}")
+
+
+def _padded_rows(tensor: Tensor, like: Tensor) -> Tensor:
+    """``tensor`` with zero rows added up to the rows of ``like`` (the model's own tensor)."""
+    if tensor.shape[0] >= like.shape[0]:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(like.shape[0] - tensor.shape[0], *tensor.shape[1:])])
 
 
 def interleave_query_groups(num_query_groups: int, *parts: Tensor) -> Tensor:
@@ -203,16 +225,22 @@ def one_to_one(hf: str, megatron: str) -> TensorMapping:
     return TensorMapping((hf,), (megatron,))
 
 
-def decoder_mapping(layer_mappings: Sequence[TensorMapping], tied: bool) -> StateDictMapping:
+def vocabulary_mapping(hf: str, megatron: str, vocab_size: int) -> TensorMapping:
+    """One row per token both ways; a Megatron tensor padded past ``vocab_size`` rows loses the padding."""
+    return TensorMapping((hf,), (megatron,), to_hf=lambda weight: weight[:vocab_size])
+
+
+def decoder_mapping(layer_mappings: Sequence[TensorMapping], tied: bool, vocab_size: int) -> StateDictMapping:
     """A transformers decoder's embedding, final norm and (untied) ``lm_head`` around the family's
-    per-layer mappings; a tied ``lm_head.weight`` is an alias of the embedding."""
+    per-layer mappings; a tied ``lm_head.weight`` is an alias of the embedding. vocab_size: the
+    card's; the rows a live model pads its vocabulary with are left out on the way to Hugging Face."""
     mappings = [
-        one_to_one("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        vocabulary_mapping("model.embed_tokens.weight", "embedding.word_embeddings.weight", vocab_size),
         one_to_one("model.norm.weight", "decoder.final_layernorm.weight"),
         *layer_mappings,
     ]
     if not tied:
-        mappings.append(one_to_one("lm_head.weight", "output_layer.weight"))
+        mappings.append(vocabulary_mapping("lm_head.weight", "output_layer.weight", vocab_size))
     return StateDictMapping(tuple(mappings), {"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
 
 

@@ -122,7 +122,8 @@ def gemma_state_dict_mapping(card: ModelCard, config: GemmaTransformerConfig) ->
         ]
         if config.layer_scalar:
             mappings.append(one_to_one(hf + "layer_scalar", ours + "layer_scalar"))
-    return decoder_mapping(mappings, tied=card_field(card, "tie_word_embeddings", True))
+    tied = card_field(card, "tie_word_embeddings", True)
+    return decoder_mapping(mappings, tied=tied, vocab_size=card_field(card, "vocab_size"))
 
 
 def _decoder_kwargs(card: ModelCard, layer_types: Sequence[str]) -> Dict[str, Any]:

@@ -144,7 +144,8 @@ def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts
             mappings += _moe_mappings(hf + "mlp.", ours + "mlp.", config, experts_one_by_one)
         else:
             mappings += _mlp_mappings(hf + "mlp.", ours + "mlp.")
-    return decoder_mapping(mappings, tied=card_field(card, "tie_word_embeddings", False))
+    tied = card_field(card, "tie_word_embeddings", False)
+    return decoder_mapping(mappings, tied=tied, vocab_size=card_field(card, "vocab_size"))
 
 
 def _mlp_mappings(hf: str, ours: str) -> List[TensorMapping]:

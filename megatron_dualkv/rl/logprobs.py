@@ -1,13 +1,22 @@
 """Per-token log-probs and entropy of response tokens, vocab-parallel under tensor parallelism.
 
-Megatron's output layer leaves the logits split along the vocabulary (``[.., V/tp]`` per rank).
-The full-vocabulary softmax is never formed on one rank: each rank reduces its shard to a max,
-a sum of exponentials and (for entropy) a sum of ``exp * logit``, plus the target logit when the
-target falls in its shard; all-reduces over the tensor-parallel group combine them. The sums go
-through ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward): the
-loss is replicated on every TP rank, so each rank's shard receives exactly its own gradient.
-Context parallelism (each rank holds the logits of a slice of the packed tokens) gathers the
-per-token results the same way over the context-parallel group.
+The model's last pipeline stage returns its final hidden states (``skip_output_layer``); only the
+rows that predict a response token go through the vocabulary projection, fused with the
+log-softmax and the gather and chunked over the vocabulary (``ops.linear_logprobs``), so neither
+the logits of prompt positions nor the ``[tokens, V/tp]`` logits of the predicting rows are ever
+held. Prediction rows: the last prompt position of each group and every response token but the
+last (``ResponseTokens.predictor_index``), and the same rows of each replicated sequence.
+
+Tensor parallelism: Megatron's output layer leaves the logits split along the vocabulary. The
+full-vocabulary softmax is never formed on one rank: each rank reduces its shard to per-row
+statistics that all-reduces over the tensor-parallel group combine; the loss is replicated on every
+TP rank, so each rank's shard receives exactly its own gradient. The hidden states reach the
+projection as they reach Megatron's ``ColumnParallelLinear``: all-gathered from the sequence split
+under sequence parallelism (reduce-scatter backward), else copied (all-reduce backward), which
+sums their gradient over the TP ranks. Context parallelism (each rank holds a slice of the packed
+tokens) gathers the per-token results over the context-parallel group.
+
+``vocab_parallel_logprobs`` does the same from logits a caller already has.
 """
 from __future__ import annotations
 
@@ -15,13 +24,18 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from ..mcore.context_parallel import context_parallel_size, context_parallel_slice
 from ..mcore.packed_seq_params import DualKVPackedSeqParams
 from ..mcore.parallel import current_parallel_sizes
+from ..ops.linear_logprobs import linear_logprobs_func
 from ..packing import PackedBatch
 from .responses import ResponseTokens
 
@@ -29,22 +43,37 @@ LAYOUTS = ("packed", "replicated")
 
 
 def vocab_parallel_logprobs(
-    logits: Tensor, targets: Tensor, tp_group: Optional[dist.ProcessGroup] = None, with_entropy: bool = False
+    logits: Tensor,
+    targets: Tensor,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    with_entropy: bool = False,
+    vocab_size: Optional[int] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """log p(target) and (optionally) the entropy of each row, from this rank's vocabulary shard.
 
     logits: (N, V/tp), the shard of rank r covers token ids ``[r*V/tp, (r+1)*V/tp)`` (Megatron's
-    ``VocabUtility``); targets: (N,) global token ids. Returns (N,) tensors in float32 (float64
-    for float64 logits): half-precision logits are upcast before the softmax.
+    ``VocabUtility``); targets: (N,) global token ids. vocab_size: the real vocabulary when V is
+    padded for tensor parallelism (the model's ``unpadded_vocab_size``): columns from it on are
+    no token, count in no softmax (max, sum of exponentials, entropy) and get zero gradient.
+    Returns (N,) tensors in float32 (float64 for float64 logits): half-precision logits are
+    upcast before the softmax.
     """
     world = 1 if tp_group is None else tp_group.size()
     shard = logits.shape[-1]
-    row_max = logits.detach().max(dim=-1).values.to(torch.promote_types(logits.dtype, torch.float32))  # a shift only
+    offset = 0 if world == 1 else tp_group.rank() * shard
+    if vocab_size is not None:
+        # a slice, so the padded columns' gradient is zero; a shard of padding only keeps an empty
+        # one, so that every rank's backward still reaches the output layer's collectives
+        logits = logits[..., : max(0, min(shard, vocab_size - offset))]
+    sum_type = torch.promote_types(logits.dtype, torch.float32)
+    if logits.shape[-1]:
+        row_max = logits.detach().max(dim=-1).values.to(sum_type)  # a shift only
+    else:
+        row_max = torch.full(logits.shape[:-1], -torch.inf, dtype=sum_type, device=logits.device)
     if world > 1:
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-    local_target = targets - (0 if world == 1 else tp_group.rank() * shard)
-    sums = _shard_sums_fused if logits.is_cuda else _shard_sums
-    sum_exp, target_logit, exp_dot_shifted = sums(logits, row_max, local_target, with_entropy)
+    sums = _shard_sums_fused if logits.is_cuda and logits.shape[-1] else _shard_sums
+    sum_exp, target_logit, exp_dot_shifted = sums(logits, row_max, targets - offset, with_entropy)
     sum_exp = _sum_over_shards(sum_exp, tp_group)
     log_sum_exp = sum_exp.log()
     logprobs = _sum_over_shards(target_logit, tp_group) - log_sum_exp
@@ -62,7 +91,10 @@ def _shard_sums(logits: Tensor, row_max: Tensor, local_target: Tensor, with_entr
     exp = shifted.exp()
     shard = logits.shape[-1]
     in_shard = (local_target >= 0) & (local_target < shard)
-    target = shifted.gather(-1, local_target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * in_shard
+    if shard:
+        target = shifted.gather(-1, local_target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * in_shard
+    else:  # a shard of padding only holds no target; its (empty) sums keep it in the graph
+        target = exp.new_zeros(exp.shape[:-1])
     return exp.sum(dim=-1), target, (exp * shifted).sum(dim=-1) if with_entropy else None
 
 
@@ -90,34 +122,56 @@ def response_logprobs(model, batch: PackedBatch, layout: str = "packed", with_en
 
 
 def model_output(model, batch: PackedBatch, layout: str) -> Tensor:
-    """Run ``model`` (one pipeline chunk) on ``batch``: the logits on the last pipeline stage, the
-    hidden states for the next stage on the others. Under context parallelism the model runs on
-    this rank's slice of the packed tokens."""
+    """Run ``model`` (one pipeline chunk) on ``batch``: on the last pipeline stage its final hidden
+    states ``[s, b, h]`` (after the final norm, before the output layer: ``logprobs_from_output``
+    projects the rows it needs), on the others the hidden states for the next stage. Under
+    context parallelism the model runs on this rank's slice of the packed tokens."""
     _check_batch(model, batch, layout)
     if layout == "packed":
         return _packed_output(model, batch)
     return _replicated_output(model, batch)
 
 
-def logprobs_from_output(model, batch: PackedBatch, logits: Tensor, layout: str, with_entropy: bool) -> Tuple[Tensor, Optional[Tensor]]:
+def logprobs_from_output(
+    model, batch: PackedBatch, hidden: Tensor, layout: str, with_entropy: bool
+) -> Tuple[Tensor, Optional[Tensor]]:
     """Flat (N,) response-token log-probs (and entropies) from the last stage's ``model_output``.
 
-    Under context parallelism every rank has the logits of its own token slice: it computes the
-    response tokens whose predicting position lies there, and a sum over the CP ranks (forward;
+    The output layer's weight (the shared embedding when tied), the model's final logit softcap and
+    its real (unpadded) vocabulary go to ``linear_logprobs_func`` with the predicting rows only.
+    Under context parallelism every rank has the hidden states of its own token slice: it computes
+    the response tokens whose predicting position lies there, and a sum over the CP ranks (forward;
     identity backward, as the loss that follows is the same on every rank) gives each rank all N.
     """
+    gpt = get_attr_wrapped_model(model, "vocab_size", return_model_obj=True)
+    tp_group = gpt.pg_collection.tp
+    split = tp_group.size() > 1 and gpt.config.sequence_parallel
+    if split:
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
     index = None
     if layout == "packed":
-        predicting, targets, index = _packed_predictions(model, batch, logits)
+        rows, targets, index = _packed_predictions(gpt, batch, hidden.device)
     else:
-        predicting, targets = _replicated_predictions(batch, logits)
-    tp_group = get_attr_wrapped_model(model, "pg_collection").tp
-    logprobs, entropy = vocab_parallel_logprobs(predicting, targets.to(logits.device), tp_group, with_entropy)
+        rows, targets = _replicated_predictions(batch, hidden.device)
+    predicting = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [s, b, h]: row = position * b + sequence
+    if tp_group.size() > 1 and not split:
+        predicting = copy_to_tensor_model_parallel_region(predicting, group=tp_group)
+    tied = gpt.share_embeddings_and_output_weights
+    weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
+    logprobs, entropy = linear_logprobs_func(
+        predicting.to(weight.dtype),  # Float16Module hands the last stage's output back in float32
+        weight,
+        targets,
+        tp_group=tp_group,
+        vocab_size=gpt.unpadded_vocab_size,
+        softcap=getattr(gpt, "final_logit_softcapping", None),
+        with_entropy=with_entropy,
+    )
     if index is None:
         return logprobs, entropy
-    cp_group = get_attr_wrapped_model(model, "context_parallel_group")
     num_tokens = ResponseTokens.from_layout(batch.layout).num_tokens
-    return tuple(None if x is None else _gather_over_context_parallel(x, index, num_tokens, cp_group) for x in (logprobs, entropy))
+    return tuple(None if x is None else _gather_over_context_parallel(x, index, num_tokens, gpt.context_parallel_group)
+                 for x in (logprobs, entropy))
 
 
 def _check_batch(model, batch, layout: str) -> None:
@@ -125,7 +179,7 @@ def _check_batch(model, batch, layout: str) -> None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(batch, PackedBatch):
         raise ValueError(f"expected a PackedBatch (megatron_dualkv.pack_groups), got {type(batch).__name__}")
-    vocab_size = get_attr_wrapped_model(model, "vocab_size")
+    vocab_size = get_attr_wrapped_model(model, "unpadded_vocab_size")
     largest = int(batch.tokens.max())
     if largest >= vocab_size:
         raise ValueError(f"token id {largest} is outside the model's vocabulary of {vocab_size}")
@@ -158,21 +212,22 @@ def _packed_output(model, batch: PackedBatch) -> Tensor:
         attention_mask=None,
         packed_seq_params=DualKVPackedSeqParams.from_layout(batch.layout),
         padding_mask=padding.unsqueeze(0),
+        skip_output_layer=True,
     )
 
 
-def _packed_predictions(model, batch: PackedBatch, logits: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(rows of ``logits`` [1, T/cp, V/tp] that predict response tokens, their targets, and the
-    flat response-token index of each row under context parallelism, else None)."""
+def _packed_predictions(model, batch: PackedBatch, device) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(positions in this rank's slice of the packed tokens whose hidden states predict response
+    tokens, on ``device``; their targets; under context parallelism the flat response-token index of
+    each, else None)."""
     tokens = ResponseTokens.from_layout(batch.layout)
-    cp_group = get_attr_wrapped_model(model, "context_parallel_group")
-    if context_parallel_size(cp_group) == 1:
-        rows = ResponseTokens.from_layout(batch.layout, logits.device).predictor_index
-        return logits[0, rows], batch.tokens[tokens.token_index], None
-    local = context_parallel_slice(batch.num_tokens, cp_group)
+    if context_parallel_size(model.context_parallel_group) == 1:
+        rows = ResponseTokens.from_layout(batch.layout, device).predictor_index
+        return rows, batch.tokens[tokens.token_index], None
+    local = context_parallel_slice(batch.num_tokens, model.context_parallel_group)
     index = torch.nonzero((tokens.predictor_index >= local.start) & (tokens.predictor_index < local.stop)).squeeze(1)
     rows = tokens.predictor_index[index] - local.start
-    return logits[0, rows.to(logits.device)], batch.tokens[tokens.token_index[index]], index.to(logits.device)
+    return rows.to(device), batch.tokens[tokens.token_index[index]], index.to(device)
 
 
 def _gather_over_context_parallel(values: Tensor, index: Tensor, num_tokens: int, cp_group) -> Tensor:
@@ -204,13 +259,16 @@ def _replicated_output(model, batch: PackedBatch) -> Tensor:
         position_ids=torch.arange(longest, device=device).expand(len(sequences), longest),
         attention_mask=None,
         padding_mask=padding,
+        skip_output_layer=True,
     )
 
 
-def _replicated_predictions(batch: PackedBatch, logits: Tensor) -> Tuple[Tensor, Tensor]:
-    """logits[:, j] predict token j + 1 of a sequence; a response occupies columns p .. p+r-1."""
+def _replicated_predictions(batch: PackedBatch, device) -> Tuple[Tensor, Tensor]:
+    """(rows of the replicated ``[s, b, h]`` output, flattened to ``[s*b, h]``, that predict response
+    tokens, on ``device``; their targets). Position j of a sequence predicts its token j + 1; a
+    response occupies positions p .. p+r-1 of its sequence."""
     rep = batch.replicated()
     sequences = _replicated_sequences(batch)
-    rows = [logits[row, p - 1 : p - 1 + r] for row, (p, r) in enumerate(sequences)]
+    rows = [torch.arange(p - 1, p - 1 + r) * len(sequences) + row for row, (p, r) in enumerate(sequences)]
     targets = [seq[p : p + r] for seq, (p, r) in zip(rep.split(rep.tokens), sequences)]
-    return torch.cat(rows), torch.cat(targets)
+    return torch.cat(rows).to(device), torch.cat(targets)

@@ -190,9 +190,9 @@ def _checked(micro_batch) -> RLMicroBatch:
     return micro_batch
 
 
-def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, logits: Tensor):
-    tokens = ResponseTokens.from_layout(micro_batch.batch.layout, logits.device)
-    logprobs, entropy = logprobs_from_output(model, micro_batch.batch, logits, layout, with_entropy)
+def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, hidden: Tensor):
+    tokens = ResponseTokens.from_layout(micro_batch.batch.layout, hidden.device)
+    logprobs, entropy = logprobs_from_output(model, micro_batch.batch, hidden, layout, with_entropy)
     output = RLStepOutput(logprobs=tokens.split(logprobs.detach()))
     if entropy is not None:
         output.entropy = tokens.split(entropy.detach())

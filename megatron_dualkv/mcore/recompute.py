@@ -1,0 +1,232 @@
+"""Activation recompute without Transformer Engine: the modes ``build_model(recompute=...)`` offers,
+and the selective recompute of norm outputs and MLP activations that our layer specs run.
+
+Modes (``recompute_config_kwargs`` turns a mode and ``recompute_layers`` into ``TransformerConfig``
+fields, the one definition the builder, launch scripts, benchmarks and the memory model share):
+
+* ``"none"``: every activation is kept for the backward.
+* ``"selective"``: in every layer, the outputs of the input and pre-MLP norms (what ``linear_qkv``
+  and ``linear_fc1`` save) and of the MLP activation (what ``linear_fc2`` saves: SwiGLU, Gemma's
+  GeGLU, the routed experts' SwiGLU) are freed once their consumer has saved them and recomputed
+  in the backward. With ``recompute_layers=N``, Megatron also recomputes the first N layers of every
+  pipeline stage (model chunk) whole, and the selective part is off inside those layers.
+* ``"full"``: Megatron's full recompute: every layer keeps only its input (``recompute_layers=N``:
+  only the first N layers of every stage or chunk do, the others keep everything).
+
+Megatron-Core's own selective recompute of norms and activations ("layernorm", "moe_act") goes
+through ``tensor_parallel.CheckpointWithoutOutput``, which reads Transformer Engine's
+``FP8GlobalStateManager`` even without fp8 (a ``NameError`` without TE, megatron-core 0.16 and
+0.19). ``checkpoint_without_output`` is the same mechanism without TE: the function runs without
+autograd, saving only its inputs; ``release(consumer_output)`` frees the output's storage once its
+consumer (a linear) has saved it, and a gradient hook on the consumer's output recomputes it into
+that storage just before the consumer's backward reads it. The recompute draws no random numbers
+and restores no RNG state (unlike Megatron's, which forks the RNG states for dropout): it is only
+for deterministic functions, the norms and activations of our specs.
+
+The modules: norms that subclass ``RecomputableOutput`` (``FusedRMSNorm``, ``GemmaRMSNorm``),
+activations of ``RecomputableActivation`` modules (``DualKVMLP`` and ``GemmaMLP``,
+``GroupedMMExperts``), switched on per layer by ``DualKVTransformerLayer``.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import Tensor
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+# Megatron-Core's selective modules that checkpoint without output through Transformer Engine
+TE_ONLY_RECOMPUTE_MODULES = ("layernorm", "moe_act")
+
+Release = Callable[[Tensor], None]
+
+
+def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None) -> Dict[str, Any]:
+    """The ``DualKVTransformerConfig`` fields of recompute ``mode`` ("none", "selective", "full";
+    None is "none") with ``layers`` = N layers of every pipeline stage (model chunk) recomputed
+    whole (None: "full" recomputes every layer, "selective" none whole).
+
+    The ladder the memory model climbs: none -> selective -> selective with N = 1 .. L -> full.
+    ValueError naming ``recompute`` / ``recompute_layers`` for an unknown mode or a bad N (the
+    upper bound, the layers of a stage, is the builder's check: it knows the split).
+    """
+    mode = "none" if mode is None else mode
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES} (or None), got {mode!r}")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"recompute_layers must be a positive int (layers per pipeline stage), got {layers!r}")
+        if mode == "none":
+            raise ValueError(
+                f"recompute_layers={layers} recomputes layers whole; it needs recompute='selective' or 'full'"
+            )
+    kwargs: Dict[str, Any] = {}
+    if mode == "selective":
+        # Megatron's own selective modules stay off: "layernorm" and "moe_act" need TE, and
+        # "core_attn" would recompute a fused attention kernel for nothing.
+        kwargs.update(recompute_granularity="selective", recompute_modules=[], recompute_norms=True,
+                      recompute_activations=True)
+    if layers is not None:
+        kwargs.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers)
+        kwargs.pop("recompute_modules", None)
+    elif mode == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return kwargs
+
+
+def fully_recomputed(config: TransformerConfig, layer_in_chunk: int) -> bool:
+    """Whether Megatron recomputes the layer whole in training (``TransformerBlock``'s checkpointed
+    forward). layer_in_chunk: 1-based within its pipeline stage (model chunk)."""
+    if config.recompute_granularity != "full":
+        return False
+    return config.recompute_method == "uniform" or layer_in_chunk <= config.recompute_num_layers
+
+
+def checkpoint_without_output(function: Callable[..., Tensor], *inputs, enabled: bool = True) -> Tuple[Tensor, Release]:
+    """``function(*inputs)`` whose output can be freed and recomputed: (output, release).
+
+    function: deterministic (it is run again in the backward), returning one new tensor (not a
+        view of an input); the parameters it uses get their gradients in the backward as usual.
+    release(consumer_output): frees the output's storage (its consumer must have saved what it
+        needs: a linear saves its input) and recomputes it into that storage when the gradient of
+        ``consumer_output`` is computed, which must come before any backward that reads it. Without
+        a call the output is kept, and recomputed only for this function's own backward.
+    Not ``enabled``, without grad mode, or when no input requires grad, it is a plain call and
+    release does nothing.
+    """
+    if not enabled or not torch.is_grad_enabled() or not any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
+        return function(*inputs), _keep
+    slot: Dict[str, Any] = {}
+    output = _WithoutSavedOutput.apply(function, slot, *inputs)
+    return output, partial(_release, slot["ctx"], output)
+
+
+def _keep(consumer_output: Tensor) -> None:
+    pass
+
+
+class _WithoutSavedOutput(torch.autograd.Function):
+    """function(*inputs) with only the inputs saved; the backward backpropagates through a
+    recomputation: the release hook's (``ctx.recomputed``), or its own when the output was never
+    released. ``slot`` hands ``ctx`` to the caller; ``ctx`` holds no reference to the output, whose
+    grad_fn it is, so no reference cycle keeps the saved inputs alive."""
+
+    @staticmethod
+    def forward(ctx, function, slot, *inputs):
+        ctx.function, ctx.recomputed = function, None
+        ctx.save_for_backward(*inputs)
+        slot["ctx"] = ctx
+        return function(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("recomputed activations need .backward(), not torch.autograd.grad()")
+        inputs, output = ctx.recomputed or _recompute(ctx)
+        ctx.recomputed = None
+        torch.autograd.backward(output, grad_output)
+        return (None, None, *(None if x is None or not x.requires_grad else x.grad for x in inputs))
+
+
+def _recompute(ctx) -> Tuple[tuple, Tensor]:
+    inputs = tuple(x if x is None else x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors)
+    with torch.enable_grad():
+        return inputs, ctx.function(*inputs)
+
+
+def _release(ctx, output: Tensor, consumer_output: Tensor) -> None:
+    if not consumer_output.requires_grad:
+        return  # no backward comes through the consumer: keep the output
+    storage = output.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)  # the tensor keeps its metadata; what the consumer saved is this tensor
+    consumer_output.register_hook(partial(_restore, ctx, output, nbytes))
+
+
+def _restore(ctx, output: Tensor, nbytes: int, grad: Tensor) -> None:
+    ctx.recomputed = _recompute(ctx)
+    output.untyped_storage().resize_(nbytes)
+    # through .data: the consumer saved ``output`` and would take a bumped version counter for an in-place change
+    output.data.copy_(ctx.recomputed[1])
+
+
+class RecomputableOutput(torch.nn.Module):
+    """A module (a norm) whose output can be recomputed instead of kept: ``forward`` runs
+    ``compute``; with ``recompute_output`` set (``DualKVTransformerLayer`` sets it on its input and
+    pre-MLP norms) as ``checkpoint_without_output``, and ``discard_output(consumer_output)`` then
+    releases that output."""
+
+    recompute_output = False
+    _pending_release: Release = staticmethod(_keep)  # this forward's release, until discard_output
+
+    def compute(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        output, self._pending_release = checkpoint_without_output(self.compute, x, enabled=self.recompute_output)
+        return output
+
+    def discard_output(self, consumer_output: Tensor) -> None:
+        """Release this forward's output (``checkpoint_without_output``); a no-op when not recomputed."""
+        release, self._pending_release = self._pending_release, _keep
+        release(consumer_output)
+
+
+class RecomputableActivation:
+    """Mixin of the MLP modules whose activation output can be recomputed instead of kept
+    (``checkpoint_without_output`` over the activation, released after ``linear_fc2``). Each
+    refuses, when built with ``recompute_activations``, a configuration it cannot recompute."""
+
+    recompute_activation = False
+    """Set per layer by ``DualKVTransformerLayer``."""
+
+
+class DualKVTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` running the selective recompute of ``DualKVTransformerConfig``
+    (``recompute_norms``, ``recompute_activations``), except in layers that Megatron recomputes
+    whole: there the norms and activations would be recomputed twice.
+
+    The input norm's output is released after the self-attention's forward, the pre-MLP norm's
+    after the MLP's (the router and the token permutation of a MoE layer read it too): the
+    gradients of those outputs come first in the backward.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args, **kwargs):
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if fully_recomputed(config, layer_number):  # Megatron's block numbers a chunk's layers from 1
+            return
+        if getattr(config, "recompute_norms", False):
+            self._recompute_norm_outputs()
+        if getattr(config, "recompute_activations", False):
+            self._recompute_activation()
+
+    def _recompute_norm_outputs(self) -> None:
+        for name, consumer in (("input_layernorm", self.self_attention), ("pre_mlp_layernorm", self.mlp)):
+            norm = getattr(self, name)
+            if not isinstance(norm, RecomputableOutput):
+                raise ValueError(
+                    f"recompute_norms: layer {self.layer_number}'s {name} is a {type(norm).__name__}, which cannot "
+                    "recompute its output (the Transformer Engine spec fuses the norms into the linears: build with "
+                    "use_transformer_engine=False)"
+                )
+            norm.recompute_output = True
+            consumer.register_forward_hook(partial(_discard_norm_output, norm))
+
+    def _recompute_activation(self) -> None:
+        # MoE layers: the routed experts' activation; the router and shared experts are left alone
+        module = self.mlp.experts if isinstance(self.mlp, MoELayer) else self.mlp
+        if not isinstance(module, RecomputableActivation):
+            raise ValueError(
+                f"recompute_activations: layer {self.layer_number}'s {type(module).__name__} cannot recompute its "
+                "activation (the local spec's MLP, GemmaMLP and GroupedMMExperts can)"
+            )
+        module.recompute_activation = True
+
+
+def _discard_norm_output(norm: RecomputableOutput, consumer, args, output) -> None:
+    norm.discard_output(output[0])
