@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .mcore.parallel import ParallelSizes
+from .mcore.parallel import ParallelSizes, padded_vocab_size
+from .mcore.recompute import recompute_config_kwargs
 from .planner import moe_layer_flags
 
 GIB = 2**30
@@ -121,7 +122,8 @@ def rank_parameters(config, vocab_size: int, tied: bool, sizes: ParallelSizes, p
 class SavedTensor:
     """One tensor a layer keeps for its backward: ``elements`` per token, ``bytes_per_element``,
     ``split``: "seq" (split by tp under sequence parallelism), "tp" (heads or ffn columns, split by
-    tp), "expert" (per routed token copy, ffn split by the expert tensor-parallel size); ``freed_by``:
+    tp), "none", "routed" (the top-k copies of a token that its experts' ranks hold whole),
+    "routed_ffn" (their expert ffn columns, split by the expert tensor-parallel size); ``freed_by``:
     the recompute that drops it ("selective": a norm output or an MLP activation)."""
 
     name: str
@@ -137,32 +139,37 @@ def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[Sav
     h, d = config.hidden_size, layer.kv_channels
     heads, groups = layer.num_attention_heads, layer.num_query_groups
     b = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
+    values = 0 if _keys_are_values(config, layer_number) else groups
     tensors = [
         SavedTensor("input norm: its input (the residual stream)", h, b, "seq"),
         SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "selective"),
-        # q, k (and v) are views of linear_qkv's output, which the q/k norms keep alive
-        SavedTensor("linear_qkv output (q/k norm inputs, v)", (heads + 2 * groups) * d, b),
-        SavedTensor("norm statistics (fp32)", heads + groups + 2, 4),
-        SavedTensor("RoPE cos/sin of q and k", 4 * d, b),
-        SavedTensor("attention q, k (after RoPE) and out", (2 * heads + groups) * d, b),
-        SavedTensor("attention log-sum-exp (fp32)", heads, 4),
+        # Megatron's query reshape copies q out of linear_qkv's output; k and v stay views of it,
+        # so the k norm's saved input keeps the whole output alive
+        SavedTensor("q norm: its input, a copy of q", heads * d, b),
+        SavedTensor("k norm: its input, a view of linear_qkv's output (q, k, v)", (heads + groups + values) * d, b),
+        SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none"),
+        SavedTensor("attention: q and k after RoPE, the output (linear_proj's input)", (2 * heads + groups) * d, b),
+        SavedTensor("norm statistics and the attention's log-sum-exp (fp32)", 2 * heads + groups + 2, 4),
     ]
     if layout == "replicated":
         tensors.append(SavedTensor("attention output made contiguous for linear_proj", heads * d, b))
+    if getattr(config, "value_norm", False):
+        tensors.append(SavedTensor("value norm: the normed values", groups * d, b))
     if _has_post_norms(config):
-        tensors.append(SavedTensor("post-attention norm input", h, b, "seq"))
-        tensors.append(SavedTensor("post-feedforward norm input", h, b, "seq"))
-    tensors.append(SavedTensor("pre-MLP norm: its input", h, b, "seq"))
-    tensors.append(SavedTensor("pre-MLP norm: its output, the MLP's (router's) input", h, b, "seq", "selective"))
+        tensors.append(SavedTensor("post-attention and post-feedforward norms: their inputs", 2 * h, b, "seq"))
+    tensors += [
+        SavedTensor("pre-MLP norm: its input", h, b, "seq"),
+        SavedTensor("pre-MLP norm: its output, the MLP's (router's) input", h, b, "seq", "selective"),
+    ]
     gated = 2 if config.gated_linear_unit else 1
     if moe_layer_flags(config)[layer_number - 1]:
         k, f, experts = config.moe_router_topk, config.moe_ffn_hidden_size, config.num_moe_experts
         tensors += [
-            SavedTensor("router scores (fp32)", 2 * experts, 4, "seq"),
-            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "expert"),
-            SavedTensor("experts' fc1 output, the activation's input", k * gated * f, b, "expert"),
-            SavedTensor("experts' activation output, fc2's input", k * f, b, "expert", "selective"),
-            SavedTensor("routing probabilities (fp32)", k, 4, "seq"),
+            SavedTensor("router: scores, top-k and the load-balancing statistics (fp32)", experts + 10 * k, 4, "seq"),
+            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "routed"),
+            SavedTensor("experts' fc1 output, the activation's input", k * gated * f, b, "routed_ffn"),
+            SavedTensor("experts' SwiGLU: silu(gate), its product, the weighted activation", 3 * k * f, b, "routed_ffn",
+                        "selective"),
         ]
     else:
         f = config.ffn_hidden_size
@@ -174,13 +181,9 @@ def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[Sav
 
 
 def _per_token_bytes(tensors: Sequence[SavedTensor], sizes: ParallelSizes, drop: Optional[str]) -> float:
-    total = 0.0
-    for t in tensors:
-        if drop is not None and t.freed_by == drop:
-            continue
-        split = {"seq": sizes.tp if sizes.sp else 1, "tp": sizes.tp, "expert": sizes.etp}[t.split]
-        total += t.elements * t.bytes_per_element / split
-    return total / sizes.cp
+    splits = {"seq": sizes.tp if sizes.sp else 1, "tp": sizes.tp, "none": 1, "routed": 1, "routed_ffn": sizes.etp}
+    return sum(t.elements * t.bytes_per_element / splits[t.split] for t in tensors
+               if drop is None or t.freed_by != drop) / sizes.cp
 
 
 def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode: str, layout: str = "packed") -> float:
@@ -193,10 +196,9 @@ def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode
 
 
 def _check_recompute(mode: str, layers: Optional[int], max_layers: int) -> None:
-    if mode not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be one of none, selective, full, got {mode!r}")
-    if layers is not None and not (mode != "none" and 1 <= layers <= max_layers):
-        raise ValueError(f"recompute_layers={layers!r} needs recompute selective or full and 1..{max_layers} layers")
+    recompute_config_kwargs(mode, layers)  # the mode and N, as build_model checks them
+    if layers is not None and layers > max_layers:
+        raise ValueError(f"recompute_layers={layers} is more than the {max_layers} layers of a pipeline stage")
 
 
 def layer_modes(mode: str, recompute_layers: Optional[int], layers: Sequence[int]) -> List[str]:
@@ -248,9 +250,10 @@ class MemoryModel:
 
     @classmethod
     def for_card(cls, card, sizes: ParallelSizes = ParallelSizes(), dtype: torch.dtype = torch.bfloat16, dp: int = 1,
-                 distributed_optimizer: bool = False, ref_model: bool = False, **overrides) -> "MemoryModel":
+                 distributed_optimizer: bool = False, ref_model: bool = False, make_vocab_size_divisible_by: int = 128,
+                 **overrides) -> "MemoryModel":
         """The model of a card (name, file or ``ModelCard``) as ``build_model`` would build it, without
-        building it: ``overrides`` are ``build_model``'s ``TransformerConfig`` overrides."""
+        building it: ``overrides`` are ``build_model``'s config overrides (recompute is ``predict``'s)."""
         from .models.builder import build_transformer_config, family_of
         from .models.cards import load_card
 
@@ -258,7 +261,8 @@ class MemoryModel:
         family = family_of(card)
         config = build_transformer_config(card, family, sizes, dtype, False, overrides)
         kwargs = family.gpt_model_kwargs(card)
-        return cls(config, kwargs["vocab_size"], bool(kwargs.get("share_embeddings_and_output_weights")), sizes, dp,
+        vocab_size = padded_vocab_size(kwargs["vocab_size"], sizes.tp, make_vocab_size_divisible_by)
+        return cls(config, vocab_size, bool(kwargs.get("share_embeddings_and_output_weights")), sizes, dp,
                    distributed_optimizer, ref_model)
 
     # ---------------------------------------------------------------- static
