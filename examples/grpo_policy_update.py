@@ -73,6 +73,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     group.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses)")
     group.add_argument("--layout", choices=["packed", "replicated"], default="packed")
+    group.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                       help="activation recompute (build_model's recompute)")
+    group.add_argument("--recompute-layers", type=int, default=None,
+                       help="also recompute the first N layers of every pipeline stage whole")
     group = parser.add_argument_group("data")
     group.add_argument("--rollouts", type=Path, default=DATA / "rollouts.jsonl",
                        help="JSONL, one group a line: {prompt, responses, rewards}; token ids, or text with --tokenizer")
@@ -232,7 +236,8 @@ def build_policy(args: argparse.Namespace) -> Policy:
 
 def _build_or_load_model(args: argparse.Namespace):
     """--model: a converted Megatron checkpoint folder (its weights, ``load_model``) or a card (random weights)."""
-    kwargs = dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dtype=DTYPES[args.dtype] if args.dtype else None, seed=args.seed)
+    kwargs = dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dtype=DTYPES[args.dtype] if args.dtype else None, seed=args.seed,
+                  recompute=args.recompute, recompute_layers=args.recompute_layers)
     if Path(args.model).is_dir():
         return load_model(args.model, **kwargs)
     return build_model(args.model, **kwargs)

@@ -281,7 +281,8 @@ def bench_full_depth(card: str, workloads, args, peak_tflops: float) -> List[Res
     for n, p, r in workloads:
         group = rollout_group(n, p, r, vocab_size, seed=n)
         pair = [run_best_setting(policies, memory, cost, group, Result(card, memory.config.num_layers, n, p, r, layout),
-                                 budget, args.repeats, peak_tflops) for layout in ("packed", "replicated")]
+                                 budget, repeats, peak_tflops)
+                for layout, repeats in (("packed", args.repeats), ("replicated", args.replicated_repeats or args.repeats))]
         pair[0].speedup = pair[1].step_s / pair[0].step_s
         results += pair
         for result in pair:
@@ -386,6 +387,7 @@ def model_flags(args, name: str, out: Path) -> List[str]:
     """The flags of this run for model ``name`` alone, writing into ``out``."""
     flags = ["--device", args.device, "--dense-layers", str(args.dense_layers), "--moe-layers", str(args.moe_layers),
              "--repeats", str(args.repeats), "--models", name, "--out", str(out)]
+    flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth
 
 
@@ -409,6 +411,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--dense-layers", type=int, default=4, help="Qwen3-8B-dimension layers")
     parser.add_argument("--moe-layers", type=int, default=4, help="Qwen3-30B-A3B-dimension MoE layers")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
+    parser.add_argument("--replicated-repeats", type=int, default=None,
+                        help="timed steps of the replicated layout (default: --repeats; its steps take 5-10x longer)")
     parser.add_argument("--models", default=None,
                         help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
     parser.add_argument("--profile", action="store_true",

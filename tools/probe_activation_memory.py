@@ -32,7 +32,7 @@ MODES = ("none", "selective", "full")
 def held_after_forward(card: str, layers: int, mode: str, tokens: int, dtype) -> tuple:
     """(bytes allocated after a forward minus before, the model's config)."""
     model = build_model(card, num_layers=layers, recompute=mode, dtype=dtype)
-    vocab = model.vocab_size
+    vocab = model.unpadded_vocab_size
     prompt = tokens // 2
     group = RolloutGroup(list(torch.randint(3, vocab, (prompt,)).tolist()),
                          [torch.randint(3, vocab, (tokens - prompt,)).tolist()], [1.0])
