@@ -10,7 +10,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_dualkv import RolloutGroup, pack_groups, plan_micro_batches
 from megatron_dualkv.models import build_model
-from megatron_dualkv.rl import DAPOLoss, GRPOLoss, forward_logprobs, forward_only, plan_mini_batches, ppo_updates
+from megatron_dualkv.rl import (
+    DAPOLoss, GRPOLoss, forward_backward, forward_logprobs, forward_only, plan_mini_batches, ppo_updates,
+)
 from rollouts import make_groups
 
 SHAPES = [(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1]), (3, [1]), (4, [2, 2, 3]), (2, [5, 1])]
@@ -89,7 +91,8 @@ def independent_logprobs(model, groups):
 @pytest.mark.parametrize("mini_batches, epochs", [(2, 1), (1, 2)])
 def test_update_ratio_is_that_of_the_model_after_the_earlier_updates(policy, mini_batches, epochs):
     """Behaviour log-probs once, before update 1; update 2's per-response ratio is the token mean
-    of exp(new - old), new from an independent forward of the model after update 1."""
+    of exp(new - old), new from an independent forward of the model after update 1, and its
+    gradient that of its mini-batch's loss alone."""
     ddp, optimizer = policy
     groups = [RolloutGroup(g.prompt, g.responses, [float(i % 2) for i in range(len(g.responses))]) for g in make_groups(SHAPES[:4])]
     loss_fn = GRPOLoss(clip_eps=0.2)
@@ -105,7 +108,16 @@ def test_update_ratio_is_that_of_the_model_after_the_earlier_updates(policy, min
     first_ratios = torch.cat(first.outputs[0].metrics["ratio_mean"])
     assert first_ratios.tolist() == pytest.approx([1.0] * len(first_ratios), abs=1e-6)  # the behaviour policy itself
     new = independent_logprobs(ddp.module, groups)
+    weights = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     second = next(updates)
+    # its gradient is that of its own mini-batch at the weights after update 1, nothing accumulated
+    fresh = build_model("qwen3-tiny", seed=5)
+    with torch.no_grad():
+        for n, p in fresh.named_parameters():
+            p.copy_(weights[n])
+    forward_backward(fresh, second.mini_batch.micro_batches, second.mini_batch.loss_fn(loss_fn))
+    for n, p in ddp.module.named_parameters():
+        torch.testing.assert_close(p.main_grad, fresh.get_parameter(n).grad, rtol=1e-4, atol=1e-7, msg=n)
     assert (second.epoch, second.index) == ((0, 1) if mini_batches == 2 else (1, 0))
     got = torch.cat(second.outputs[0].metrics["ratio_mean"]).tolist()
     want = [torch.exp(n - o).mean().item() for g in second.mini_batch.group_index for n, o in zip(new[g], old[g])]
