@@ -74,6 +74,9 @@ LOSSES = {"grpo": GRPOLoss(), "dapo": DAPOLoss()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's name for the last saved step
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# OptimizerParamScheduler.state_dict() fields -> the flags that set them (the other fields follow from these)
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-steps",
+                  "lr_decay_steps": "--lr-decay-steps", "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay"}
 
 
 class InputError(ValueError):
@@ -618,10 +621,10 @@ def load_checkpoint(directory: Path, policy: Policy) -> int:
 
 
 def _check_same_schedule(saved: dict, ours: dict, directory: Path) -> None:
-    """InputError naming the schedule settings in which this run differs from the checkpoint's
+    """InputError naming the flags in which this run's schedule differs from the checkpoint's
     (Megatron's training loop asserts they match unless told which to use)."""
-    differences = [f"{name} {ours[name]!r} (checkpoint: {saved[name]!r})" for name in ours
-                   if name != "num_steps" and ours[name] != saved[name]]
+    differences = [f"{flag} {ours[name]} (checkpoint: {saved[name]})" for name, flag in SCHEDULE_FLAGS.items()
+                   if ours[name] != saved[name]]
     if differences:
         raise InputError(f"{directory} was saved with another learning-rate schedule: this run has "
                          + ", ".join(differences) + "; resume with the flags of the saved run")

@@ -167,8 +167,8 @@ def test_resume_restores_the_schedule_and_refuses_another(script, dapo_runs):
     other = ["--seed", "77", "--lr-decay-style", "linear", "--load", str(checkpoints), *map(str, PPO_FLAGS[:2])]
     policy = script.build_policy(script.parse_args(other))  # the decay length comes from the checkpoint: 4 steps
     assert policy.scheduler.lr_decay_steps == 4
-    with pytest.raises(script.InputError, match=r"another learning-rate schedule: this run has lr_decay_style 'linear' "
-                                                r"\(checkpoint: 'cosine'\), min_lr 0.0 \(checkpoint: 0.0001\)"):
+    with pytest.raises(script.InputError, match=r"another learning-rate schedule: this run has --min-lr 0.0 \(checkpoint: "
+                                                r"0.0001\), --lr-decay-style linear \(checkpoint: cosine\); resume with"):
         script.load_checkpoint(checkpoints, policy)
 
 
@@ -214,6 +214,28 @@ def test_two_gpus_take_the_one_gpu_steps(one_gpu_runs, name):
     for step in (1, 2, 3):
         assert got[step]["reward"] == want[step]["reward"] and got[step]["rho"] == want[step]["rho"], step
         assert number(got[step], "margin") == pytest.approx(number(want[step], "margin"), abs=1e-3), step
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL on two GPUs (test_parallel checks PPO mini-batches at dp 2 on gloo)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gpus_take_the_one_gpu_ppo_updates(one_gpu_runs, dtype):
+    """Mini-batches, epochs, dual clip, a reference policy and a cosine schedule at dp 2 (NCCL),
+    from the same weights: the one-GPU run's steps and updates (bf16: a reference in bf16 too)."""
+    weights, _ = one_gpu_runs["qwen3-tiny"]
+    flags = ("--model", weights, "--dtype", dtype, "--steps", 2, "--mini-batches", 2, "--ppo-epochs", 2, "--clip-ratio-c", 3,
+             "--ref-load", weights, "--kl-coef", 0.05, "--lr-decay-style", "cosine", "--lr", 1e-2)
+    one_out, want = run_script(*flags)
+    out, got = run_script(*flags, ranks=2)
+    tolerance = 1e-3 if dtype == "float32" else 2e-2
+    assert "world 2" in out and sorted(got) == sorted(want) == [1, 2]
+    for step in (1, 2):
+        assert got[step]["reward"] == want[step]["reward"] and got[step]["lr"] == want[step]["lr"], step
+        for key in ("margin", "ratio", "kl", "clip"):
+            assert number(got[step], key) == pytest.approx(number(want[step], key), abs=tolerance), (step, key)
+    got_updates, want_updates = update_lines(out), update_lines(one_out)
+    assert sorted(got_updates) == sorted(want_updates) and len(got_updates) == 8
+    for key, fields in want_updates.items():
+        assert number(got_updates[key], "ratio") == pytest.approx(number(fields, "ratio"), abs=tolerance), key
 
 
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
