@@ -526,9 +526,14 @@ def format_stats(step: int, steps: int, stats: StepStats, peak_tflops: Optional[
     )
 
 
+def _in_step(update: UpdateStats, ppo: PPOSchedule) -> int:
+    """The update's number in its step, from 1."""
+    return update.epoch * ppo.mini_batches + update.mini_batch + 1
+
+
 def format_update(step: int, steps: int, update: UpdateStats, ppo: PPOSchedule) -> str:
     return (
-        f"update {step:4d}.{update.epoch * ppo.mini_batches + update.mini_batch + 1}/{steps} | "
+        f"update {step:4d}.{_in_step(update, ppo)}/{steps} | "
         f"epoch {update.epoch + 1}/{ppo.epochs} | mini-batch {update.mini_batch + 1}/{ppo.mini_batches} | "
         f"loss {update.loss:+.4e} | ratio {update.ratio:.4f} | clip {update.clip_fraction:.3f}"
         + _optional_fields({"dual-clip": update.dual_clip_fraction, "kl": update.kl, "mismatch": update.rollout_mismatch})
@@ -539,7 +544,7 @@ def format_update(step: int, steps: int, update: UpdateStats, ppo: PPOSchedule) 
 def log_step(log: RunLog, step: int, stats: StepStats, ppo: PPOSchedule, peak_tflops: Optional[float]) -> None:
     """The step and its updates in --tensorboard-dir and --log-jsonl."""
     for update in stats.updates:
-        number = (step - 1) * ppo.mini_batches * ppo.epochs + update.epoch * ppo.mini_batches + update.mini_batch + 1
+        number = (step - 1) * ppo.mini_batches * ppo.epochs + _in_step(update, ppo)  # in the run
         log.update(step, number, update.epoch + 1, update.mini_batch + 1, dict(
             loss=update.loss, ratio=update.ratio, clip_fraction=update.clip_fraction,
             dual_clip_fraction=update.dual_clip_fraction, kl=update.kl, rollout_mismatch=update.rollout_mismatch,
