@@ -17,10 +17,12 @@ setup(
     # safetensors, tqdm: checkpoint conversion; psutil: Megatron's dist-checkpoint writer (save_model)
     install_requires=["torch>=2.4", "triton>=3.0", "megatron-core>=0.16", "numpy", "packaging", "safetensors", "tqdm", "psutil"],
     extras_require={
-        # The example launch scripts (tests/test_examples.py runs them): progress bar, tokenizer, and
-        # psutil, which Megatron's distributed-checkpoint writer needs.
-        "examples": ["tqdm", "sentencepiece", "psutil"],
-        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece", "tqdm", "psutil"],
+        # The example launch scripts (tests/test_examples.py runs them): progress bar, tokenizer,
+        # psutil, which Megatron's distributed-checkpoint writer needs, TensorBoard logs
+        # (--tensorboard-dir) and tools/plot_run.py's plots. Hugging Face tokenizers need transformers.
+        "examples": ["tqdm", "sentencepiece", "psutil", "tensorboard", "matplotlib"],
+        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece", "tqdm", "psutil",
+                 "tensorboard", "matplotlib"],
         "bench": ["matplotlib"],
         # transformer-engine and apex are optional accelerators, used when present: install them the
         # way your cluster's CUDA stack requires (they do not build on CPU-only machines).

@@ -4,57 +4,79 @@
     torchrun --nproc-per-node 2 examples/grpo_policy_update.py --tp 2
     python examples/grpo_policy_update.py --steps 4 --save ckpt
     python examples/grpo_policy_update.py --steps 8 --load ckpt --save ckpt   # resumes at step 5
+    python examples/grpo_policy_update.py --mini-batches 2 --ppo-epochs 2 --clip-ratio-c 3 --lr-decay-style cosine \
+        --tensorboard-dir tb --log-jsonl run.jsonl && python tools/plot_run.py run.jsonl
 
 Every step takes the next --global-batch-size rollout groups of --rollouts (cycling through the
-file), plans packed micro-batches of at most --max-tokens tokens for the data-parallel ranks
-(``megatron_dualkv.plan_micro_batches``), computes the behaviour log-probs with a forward-only run
-of Megatron's schedule, runs Megatron's forward/backward schedule with the GRPO or DAPO loss
-(advantages normalised over whole groups, the loss normalised over the whole batch), and steps
-Megatron's optimizer. ``--layout replicated`` runs the same micro-batches on the standard layout
-(every response after its own prompt copy): the same losses, for side-by-side checks.
+file) and splits them into --mini-batches M mini-batches of as many groups
+(``megatron_dualkv.rl.plan_mini_batches``: packed micro-batches of at most --max-tokens tokens
+for the data-parallel ranks, ``plan_micro_batches``). Before the first update it computes the
+behaviour log-probs with one forward-only run of Megatron's schedule (or takes the rollouts'
+``"logprobs"``: without --tis-cap they are the behaviour log-probs and that pass is skipped), the
+reference log-probs of --ref-load the same way, and the advantages on whole groups; then --ppo-epochs
+E times the M updates (``ppo_updates``): Megatron's forward/backward schedule with the GRPO or DAPO
+loss, normalised over the mini-batch's groups, and Megatron's optimizer step. The learning rate
+follows Megatron's ``OptimizerParamScheduler``, stepped once per step (as verl's Megatron actor),
+saved and resumed with the checkpoint. ``--layout replicated`` runs the same micro-batches on the
+standard layout (every response after its own prompt copy): the same losses, for side-by-side checks.
 
-Logged per step on rank 0: the loss; the mean reward of the step's rollouts; ``margin``, the mean
-token log-prob of responses with positive advantage minus that of the others (before the update;
-it grows as the policy learns the rewards); the clip fraction; rollout tokens per second (every
-response with its prompt, as the replicated layout counts them, so both layouts compare); rho (the
-token reduction of the packed plan); micro-batches per rank x DP ranks; peak memory (GPU:
-allocated, CPU: process RSS); model TFLOP/s per device (forward of the behaviour log-probs plus
-forward and backward of the update: 4x the forward FLOPs of the layout run, by
-``megatron_dualkv.CostModel``) and MFU against --peak-tflops, or against the bf16 matmul rate
-measured at start on a GPU; n/a on a CPU without --peak-tflops.
+Logged on rank 0, one line per step (and one per update when a step has several): the loss; the
+mean reward of the step's rollouts; ``margin``, the mean token log-prob of responses with positive
+advantage minus that of the others (under the behaviour policy; it grows as the policy learns the
+rewards); the clip fraction; rollout tokens per second (every response with its prompt, as the
+replicated layout counts them, so both layouts compare); rho (the token reduction of the packed
+plan); micro-batches per rank (all mini-batches) x DP ranks; peak memory (GPU: allocated, CPU:
+process RSS); model TFLOP/s per device (the forward FLOPs of the layout run, ``megatron_dualkv.CostModel``,
+once per forward-only pass plus 3x per epoch of updates) and MFU against --peak-tflops, or against
+the bf16 matmul rate measured at start on a GPU; n/a on a CPU without --peak-tflops; then the
+learning rate, the mean ratio, and where they apply the dual-clip fraction, the k3 KL to the
+reference, the entropy of the behaviour policy and the rollout-training mismatch (mean
+|behaviour - rollout| log-prob over response tokens). Token metrics are means over the step's
+response tokens. --tensorboard-dir and --log-jsonl keep the same numbers (``megatron_dualkv.run_log``).
 
 With one update per rollout batch the behaviour policy is the current one: the ratio is 1 and the
-GRPO loss (sequence-mean of -A) is ~0 while its gradient is not.
+GRPO loss (sequence-mean of -A) is ~0 while its gradient is not; with several, later updates have
+ratios != 1 and the clip acts. Checkpoints are taken at step boundaries only (after the step's last
+update): a resumed run repeats no update and skips none.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib.util
-import json
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from tqdm import tqdm
 
-from megatron_dualkv import CostModel, RolloutGroup, plan_micro_batches
+from megatron_dualkv import CostModel, RolloutGroup
 from megatron_dualkv.mcore import use_fused_adam
 from megatron_dualkv.mcore.parallel import current_parallel_sizes
-from megatron_dualkv.models import build_model, load_model
-from megatron_dualkv.rl import DAPOLoss, GRPOLoss, RLMicroBatch, forward_backward
+from megatron_dualkv.models import architecture_differences, build_model, checkpoint_card, load_card, load_model
+from megatron_dualkv.rl import (
+    DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
+    ppo_updates,
+)
+from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, read_rollouts
+from megatron_dualkv.run_log import RunLog
 
 DATA = Path(__file__).resolve().parent / "data"
 LOSSES = {"grpo": GRPOLoss(), "dapo": DAPOLoss()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's name for the last saved step
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# OptimizerParamScheduler.state_dict() fields -> the flags that set them (the other fields follow from these)
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-steps",
+                  "lr_decay_steps": "--lr-decay-steps", "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay"}
 
 
 class InputError(ValueError):
@@ -79,13 +101,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help="also recompute the first N layers of every pipeline stage whole")
     group = parser.add_argument_group("data")
     group.add_argument("--rollouts", type=Path, default=DATA / "rollouts.jsonl",
-                       help="JSONL, one group a line: {prompt, responses, rewards}; token ids, or text with --tokenizer")
-    group.add_argument("--tokenizer", type=Path, default=DATA / "tokenizer.model", help="SentencePiece model for text rollouts")
+                       help="JSONL, one group a line: {prompt, responses, rewards[, logprobs]}; token ids, or text "
+                            "(a prompt also as chat messages) with --tokenizer")
+    group.add_argument("--tokenizer", type=Path, default=DATA / "tokenizer.model",
+                       help="for text rollouts: a SentencePiece .model, a Hugging Face tokenizer.json or model folder")
     group.add_argument("--global-batch-size", type=int, default=8, help="rollout groups per step, all DP ranks together")
     group.add_argument("--max-tokens", type=int, default=1024, help="micro-batch token budget (packed tokens)")
-    group = parser.add_argument_group("training")
+    group = parser.add_argument_group("policy loss and updates")
     group.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
-    group.add_argument("--lr", type=float, default=1e-3)
+    group.add_argument("--mini-batches", type=int, default=1,
+                       help="optimizer steps per rollout batch, each on 1/M of its groups (verl: ppo_mini_batch_size)")
+    group.add_argument("--ppo-epochs", type=int, default=1, help="passes of the M updates over the rollout batch")
+    group.add_argument("--clip-ratio-c", type=float, default=None,
+                       help="dual-clip PPO: cap the token loss of a negative advantage A at -A * C (C > 1; default off)")
+    group.add_argument("--tis-cap", type=float, default=None,
+                       help="truncated importance sampling: weight each token by min(pi_old / pi_rollout, C) with the "
+                            "rollouts' 'logprobs' (C > 0; default off: those log-probs are the behaviour log-probs)")
+    group.add_argument("--ref-load", type=Path, default=None,
+                       help="reference policy: a converted Megatron checkpoint folder of --model's architecture (frozen)")
+    group.add_argument("--kl-coef", type=float, default=0.0, help="weight of the k3 KL to the reference policy")
+    group = parser.add_argument_group("optimizer and learning rate")
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    group.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    group.add_argument("--lr-warmup-steps", type=int, default=0, help="steps of linear warmup from 0")
+    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    group.add_argument("--lr-decay-steps", type=int, default=None,
+                       help="steps of warmup plus decay (default: --steps; a resumed run: the checkpoint's)")
     group.add_argument("--weight-decay", type=float, default=0.0)
     group.add_argument("--clip-grad", type=float, default=None, help="gradient-norm clip (default 1.0 on GPU; CPU: 0, off)")
     group.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over DP ranks (GPU)")
@@ -95,106 +136,66 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--save", type=Path, default=None, help="directory for Megatron distributed checkpoints")
     group.add_argument("--save-interval", type=int, default=0, help="also save every N steps (0: at the end only)")
     group.add_argument("--load", type=Path, default=None, help="resume from the latest checkpoint in this directory")
+    group.add_argument("--tensorboard-dir", type=Path, default=None,
+                       help="TensorBoard event folder (Megatron's scalar names)")
+    group.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON line per step and per update")
     group.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: measured on GPU)")
     args = parser.parse_args(argv)
-    for name in ("global_batch_size", "max_tokens", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not args.rollouts.is_file():  # before the model is built
-        parser.error(f"--rollouts: file not found: {args.rollouts}")
+    for problem in _flag_problems(args):
+        parser.error(problem)
     return args
 
 
+def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
+    """What is wrong with the flags on their own (before the model and files are read)."""
+    for name in ("global_batch_size", "max_tokens", "steps", "mini_batches", "ppo_epochs"):
+        if getattr(args, name) < 1:
+            yield f"--{name.replace('_', '-')} must be >= 1"
+    if args.global_batch_size % args.mini_batches:
+        yield (f"--global-batch-size {args.global_batch_size} does not split into --mini-batches {args.mini_batches} "
+               "of equal size")
+    if args.clip_ratio_c is not None and not args.clip_ratio_c > 1:
+        yield (f"--clip-ratio-c must be > 1 (the dual clip caps the loss of a negative advantage at -A * C), "
+               f"got {args.clip_ratio_c}")
+    if args.tis_cap is not None and not args.tis_cap > 0:
+        yield f"--tis-cap must be > 0 (the cap C of the importance weight min(pi_old / pi_rollout, C)), got {args.tis_cap}"
+    if args.kl_coef < 0:
+        yield f"--kl-coef must be >= 0, got {args.kl_coef}"
+    if args.kl_coef and args.ref_load is None:
+        yield "--kl-coef needs a reference policy (--ref-load)"
+    if args.ref_load is not None and not args.ref_load.is_dir():
+        yield f"--ref-load: not a checkpoint folder: {args.ref_load}"
+    if not 0 <= args.min_lr <= args.lr:
+        yield f"--min-lr must be between 0 and --lr {args.lr}, got {args.min_lr}"
+    if args.lr_warmup_steps < 0 or (args.lr_decay_steps is not None and args.lr_decay_steps <= args.lr_warmup_steps):
+        yield f"--lr-decay-steps ({args.lr_decay_steps}) must be larger than --lr-warmup-steps ({args.lr_warmup_steps}) >= 0"
+    if not args.rollouts.is_file():
+        yield f"--rollouts: file not found: {args.rollouts}"
+
+
 # --------------------------------------------------------------------------------------- rollouts
-def load_tokenizer(path: Path, vocab_size: int):
-    """The SentencePiece model at ``path``; InputError when missing or larger than the model's vocabulary."""
-    import sentencepiece as spm
-
-    if not path.is_file():
-        raise InputError(f"tokenizer not found: {path}")
-    tokenizer = spm.SentencePieceProcessor(model_file=str(path))
-    if tokenizer.get_piece_size() > vocab_size:
-        raise InputError(
-            f"tokenizer {path} has {tokenizer.get_piece_size()} pieces, more than the model's vocab_size {vocab_size}"
-        )
-    return tokenizer
+def read_run_rollouts(args: argparse.Namespace, vocab_size: int) -> Rollouts:
+    """The rollout file of --rollouts, checked against the flags that need its log-probs."""
+    rollouts = read_rollouts(args.rollouts, vocab_size, args.tokenizer)
+    if args.tis_cap is not None and rollouts.logprobs is None:
+        raise InputError(f"--tis-cap needs the inference engine's log-probs: {args.rollouts} has no 'logprobs'")
+    return rollouts
 
 
-def read_rollouts(path: Path, vocab_size: int, tokenizer_path: Optional[Path]) -> List[RolloutGroup]:
-    """One ``RolloutGroup`` per JSONL line ``{"prompt", "responses", "rewards"}``.
-
-    Prompt and responses are all token-id lists or all text; text is tokenized with the
-    SentencePiece model (prompt: BOS + text, response: text + EOS, as a finished sample ends).
-    Errors name the file and line.
-    """
-    if not path.is_file():
-        raise InputError(f"rollouts file not found: {path}")
-    tokenizer = None
-    groups = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(f"{where}: not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not {"prompt", "responses", "rewards"} <= record.keys():
-            raise InputError(f"{where}: expected an object with 'prompt', 'responses' and 'rewards'")
-        prompt, responses, rewards = record["prompt"], record["responses"], record["rewards"]
-        if not isinstance(responses, list) or not responses:
-            raise InputError(f"{where}: 'responses' must be a non-empty list")
-        if not isinstance(rewards, list) or len(rewards) != len(responses) or not all(_is_number(r) for r in rewards):
-            raise InputError(f"{where}: 'rewards' must be a list of {len(responses)} numbers, one per response")
-        if isinstance(prompt, str):
-            if not all(isinstance(r, str) for r in responses):
-                raise InputError(f"{where}: a text prompt needs text responses")
-            if tokenizer is None:
-                if tokenizer_path is None:
-                    raise InputError(f"{where}: text rollouts need a SentencePiece model (--tokenizer)")
-                tokenizer = load_tokenizer(tokenizer_path, vocab_size)
-            prompt, responses = _tokenized(tokenizer, prompt, responses)
-        for what, ids in (("prompt", prompt), *((f"response {i}", r) for i, r in enumerate(responses))):
-            _check_token_ids(ids, vocab_size, f"{where}: {what}")
-        groups.append(RolloutGroup(prompt, responses, [float(r) for r in rewards]))
-    if not groups:
-        raise InputError(f"{path}: no rollout groups")
-    return groups
-
-
-def _tokenized(tokenizer, prompt: str, responses: List[str]):
-    bos = [tokenizer.bos_id()] if tokenizer.bos_id() >= 0 else []
-    eos = [tokenizer.eos_id()] if tokenizer.eos_id() >= 0 else []
-    return bos + tokenizer.encode(prompt), [tokenizer.encode(r) + eos for r in responses]
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_token_ids(ids, vocab_size: int, where: str) -> None:
-    if not isinstance(ids, list) or not ids:
-        raise InputError(f"{where}: expected a non-empty list of token ids (or text)")
-    for x in ids:
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise InputError(f"{where}: token ids must be integers, got {x!r}")
-        if not 0 <= x < vocab_size:
-            raise InputError(f"{where}: token id {x} is outside the model's vocabulary (vocab_size {vocab_size})")
-
-
-def step_groups(groups: List[RolloutGroup], step: int, global_batch_size: int) -> List[RolloutGroup]:
+def step_indices(num_groups: int, step: int, global_batch_size: int) -> List[int]:
     """The rollout groups of ``step`` (1-based): the next ``global_batch_size`` of the file, cycling."""
     first = (step - 1) * global_batch_size
-    return [groups[(first + i) % len(groups)] for i in range(global_batch_size)]
+    return [(first + i) % num_groups for i in range(global_batch_size)]
 
 
 # ------------------------------------------------------------------------------ model and optimizer
 @dataclass
 class Policy:
-    """The DDP-wrapped model, its optimizer, and what FLOP counting and packing need."""
+    """The DDP-wrapped model, its optimizer and learning-rate scheduler, and what FLOP counting and packing need."""
 
     model: DistributedDataParallel
     optimizer: object
+    scheduler: OptimizerParamScheduler
     cost: CostModel
     card: str
     vocab_size: int
@@ -202,7 +203,8 @@ class Policy:
 
 
 def build_policy(args: argparse.Namespace) -> Policy:
-    """Megatron model (``build_model``), DDP, and Megatron's optimizer, wired as Megatron's training loop wires them."""
+    """Megatron model (``build_model``), DDP, Megatron's optimizer and scheduler, wired as Megatron's
+    training loop wires them."""
     on_gpu = torch.cuda.is_available()
     if args.use_distributed_optimizer and not on_gpu:
         raise InputError("--use-distributed-optimizer needs CUDA: Megatron's DistributedOptimizer accepts CUDA parameters only")
@@ -222,7 +224,7 @@ def build_policy(args: argparse.Namespace) -> Policy:
     ddp = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, clip_grad=clip_grad,
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=clip_grad,
             bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
             use_distributed_optimizer=args.use_distributed_optimizer,
         ),
@@ -231,23 +233,93 @@ def build_policy(args: argparse.Namespace) -> Policy:
     use_fused_adam(optimizer)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    return Policy(ddp, optimizer, cost, args.model, vocab_size, token_multiple)
+    return Policy(ddp, optimizer, build_lr_scheduler(optimizer, args), cost, args.model, vocab_size, token_multiple)
+
+
+def build_lr_scheduler(optimizer, args: argparse.Namespace) -> OptimizerParamScheduler:
+    """Megatron's scheduler as its training loop sets it up (warmup from 0, then the decay style),
+    counting steps (rollout batches). The decay length: --lr-decay-steps, else that of the
+    checkpoint being resumed, else --steps."""
+    decay_steps = args.lr_decay_steps
+    if decay_steps is None and args.load is not None:
+        decay_steps = _load_common_state(args.load)[1]["opt_param_scheduler"]["lr_decay_steps"]
+    decay_steps = decay_steps or args.steps
+    if decay_steps <= args.lr_warmup_steps:
+        raise InputError(f"the learning rate decays over {decay_steps} steps, not more than --lr-warmup-steps "
+                         f"{args.lr_warmup_steps}: pass a larger --lr-decay-steps")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        # a resumed run must ask for the checkpoint's schedule: checked with a clear error in load_checkpoint
+        use_checkpoint_opt_param_scheduler=False,
+    )
+
+
+def _model_kwargs(args: argparse.Namespace) -> dict:
+    return dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dtype=DTYPES[args.dtype] if args.dtype else None,
+                seed=args.seed)
 
 
 def _build_or_load_model(args: argparse.Namespace):
     """--model: a converted Megatron checkpoint folder (its weights, ``load_model``) or a card (random weights)."""
-    kwargs = dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dtype=DTYPES[args.dtype] if args.dtype else None, seed=args.seed,
-                  recompute=args.recompute, recompute_layers=args.recompute_layers)
+    # the reference policy runs forward only: recompute is the policy's alone
+    kwargs = dict(_model_kwargs(args), recompute=args.recompute, recompute_layers=args.recompute_layers)
     if Path(args.model).is_dir():
         return load_model(args.model, **kwargs)
     return build_model(args.model, **kwargs)
 
 
+def build_reference(args: argparse.Namespace):
+    """The frozen reference policy of --ref-load (None without it): ``load_model`` at the policy's
+    parallel sizes and dtype. Memory: its weights only (no gradients, no optimizer state)."""
+    if args.ref_load is None:
+        return None
+    card = checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    differences = architecture_differences(card, checkpoint_card(args.ref_load))
+    if differences:
+        shown = ", ".join(f"{name} {ours!r} vs {theirs!r}" for name, (ours, theirs) in list(differences.items())[:4])
+        raise InputError(f"--ref-load {args.ref_load} holds another architecture than --model {args.model}: {shown}"
+                         + (f" (+{len(differences) - 4} more)" if len(differences) > 4 else ""))
+    reference = load_model(args.ref_load, **_model_kwargs(args))
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def make_loss(args: argparse.Namespace):
+    return dataclasses.replace(LOSSES[args.loss], kl_coef=args.kl_coef, clip_ratio_c=args.clip_ratio_c, tis_cap=args.tis_cap)
+
+
 # ----------------------------------------------------------------------------------------- a step
+@dataclass(frozen=True)
+class PPOSchedule:
+    """Optimizer steps per rollout batch: ``mini_batches`` x ``epochs``."""
+
+    mini_batches: int = 1
+    epochs: int = 1
+
+
+@dataclass
+class UpdateStats:
+    """One optimizer step, over all ranks (token metrics: means over the mini-batch's response tokens)."""
+
+    epoch: int
+    mini_batch: int
+    loss: float
+    ratio: float
+    clip_fraction: float
+    dual_clip_fraction: Optional[float]
+    kl: Optional[float]
+    rollout_mismatch: Optional[float]
+    seconds: float
+
+
 @dataclass
 class StepStats:
     """One step, over all ranks: ``flops`` are the model FLOPs of the whole step (every DP replica's
-    micro-batches once), ``rollout_tokens`` its tokens in the replicated count."""
+    micro-batches, every pass), ``rollout_tokens`` its tokens in the replicated count; token metrics
+    are means over the step's response tokens (all its updates)."""
 
     loss: float
     reward: float
@@ -260,63 +332,158 @@ class StepStats:
     flops: float
     seconds: float
     peak_memory_gib: float
+    ratio: float = 1.0
+    dual_clip_fraction: Optional[float] = None
+    kl: Optional[float] = None
+    entropy: Optional[float] = None
+    rollout_mismatch: Optional[float] = None
+    lr: Optional[float] = None
+    updates: List[UpdateStats] = field(default_factory=list)
 
 
-def policy_update_step(policy: Policy, groups: List[RolloutGroup], loss_fn, max_tokens: int, layout: str) -> StepStats:
-    """One optimizer step of ``loss_fn`` on ``groups`` (all DP ranks' rollouts; this rank runs its share)."""
+# per-response metrics of RLStepOutput that the step logs as token means
+TOKEN_METRICS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "kl", "rollout_mismatch", "entropy")
+
+
+def policy_update_step(policy: Policy, groups: List[RolloutGroup], loss_fn, max_tokens: int, layout: str,
+                       ppo: PPOSchedule = PPOSchedule(), reference=None,
+                       rollout_logprobs: Optional[List[List[torch.Tensor]]] = None) -> StepStats:
+    """The ``ppo.mini_batches x ppo.epochs`` optimizer steps of ``loss_fn`` on the rollout batch
+    ``groups`` (all DP ranks' rollouts; this rank runs its share).
+
+    rollout_logprobs: the inference engine's, per group, per response: the behaviour log-probs
+    (no forward pass) unless ``loss_fn.tis_cap`` is set, then beside them for its correction.
+    """
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    plan = plan_micro_batches(groups, max_tokens, dp_size, policy.cost.attention_weight)
-    planned = plan.ranks[dp_rank]
-    batches = [mb.pack(pad_to_multiple_of=policy.token_multiple) for mb in planned]
     # Group-normalised advantages of whole groups: a group split over micro-batches or ranks
     # keeps the advantages it would have had in one piece.
     advantages = loss_fn.advantages([torch.tensor(g.rewards) for g in groups])
-    loss_fn = dataclasses.replace(loss_fn, normalizer=plan.loss_normalizer(loss_fn.aggregation))
+    minis = plan_mini_batches(groups, ppo.mini_batches, max_tokens, advantages, dp_size=dp_size, dp_rank=dp_rank,
+                              attention_weight=policy.cost.attention_weight, pad_to_multiple_of=policy.token_multiple)
+    bypass = rollout_logprobs is not None and loss_fn.tis_cap is None
+    lr = policy.optimizer.param_groups[0]["lr"]
     _reset_peak_memory()
     start = _now()
-    behaviour = forward_backward(policy.model, [RLMicroBatch(b) for b in batches], layout=layout)
-    policy.model.zero_grad_buffer()
-    policy.optimizer.zero_grad()
-    selected = [mb.select_responses(advantages) for mb in planned]  # each micro-batch's share
-    outputs = forward_backward(
-        policy.model,
-        [RLMicroBatch(b, old_logprobs=o.logprobs, advantages=a) for b, o, a in zip(batches, behaviour, selected)],
-        loss_fn,
-        layout=layout,
-    )
-    policy.optimizer.step()
+    minis, behaviour = _with_logprobs(policy, minis, layout, reference, rollout_logprobs, bypass)
+    updates, update_sums = [], []
+    mark = _now()
+    # entropies: the behaviour pass's, else those of the first epoch's updates
+    for update in ppo_updates(policy.model, policy.optimizer, minis, loss_fn, ppo.epochs, layout=layout, with_entropy=bypass):
+        update_sums.append(_dp_sum(_metric_sums(zip(update.mini_batch.micro_batches, update.outputs))))
+        updates.append(_update_stats(update, update_sums[-1], dp_size, _now() - mark))
+        mark = _now()
     seconds = _now() - start
-    real = [(a, b, o, out) for mb, a, b, o, out in zip(planned, selected, batches, behaviour, outputs) if not mb.is_padding]
-    sums = torch.zeros(7, dtype=torch.float64)  # loss, logp+ sum/count, logp- sum/count, clipped, responses
-    for selected_advantages, _, old, out in real:
-        sums[0] += out.loss.item()
-        response_logp = torch.stack([r.mean() for group in old.logprobs for r in group]).double().cpu()
-        response_advantage = selected_advantages.double()
-        positive = response_advantage > 0
-        sums[1:5] += torch.stack([
-            response_logp[positive].sum(), positive.sum(), response_logp[~positive].sum(), (~positive).sum()
-        ])
-        sums[5] += torch.cat(out.metrics["clip_fraction"]).double().sum().cpu()
-        sums[6] += len(response_advantage)
-    flops = sum(4 * policy.cost.layout_flops(b.layout if layout == "packed" else b.replicated().layout) for _, b, _, _ in real)
-    sums = torch.cat([sums, torch.tensor([flops], dtype=torch.float64)])
-    if torch.cuda.is_available():  # NCCL reduces device tensors only
-        sums = sums.cuda()
-    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-    loss, pos, n_pos, neg, n_neg, clipped, responses, flops = sums.tolist()
+    step_sums = torch.stack(update_sums).sum(0)
+    metrics = _token_means(step_sums)
+    entropy_sums = step_sums if behaviour is None else _dp_sum(_metric_sums(
+        (mb, out) for mini, outs in zip(minis, behaviour) for mb, out in zip(mini.micro_batches, outs)))
+    passes = (behaviour is not None) + (reference is not None) + 3 * ppo.epochs  # forward-only, then forward+backward
+    totals = _dp_sum(torch.tensor([*_margin_sums(minis), passes * _forward_flops(policy.cost, minis, layout)]))
+    pos, n_pos, neg, n_neg, flops = totals.tolist()
     return StepStats(
-        loss=loss / (plan.num_micro_batches * dp_size),
+        loss=sum(u.loss for u in updates) / len(updates),
         reward=sum(sum(g.rewards) for g in groups) / sum(len(g.rewards) for g in groups),
         margin=pos / max(n_pos, 1) - neg / max(n_neg, 1),
-        clip_fraction=clipped / responses,
-        rollout_tokens=plan.rollout_tokens,
-        rho=plan.rho,
-        micro_batches=plan.num_micro_batches,
+        clip_fraction=metrics["clip_fraction"],
+        rollout_tokens=sum(mini.plan.rollout_tokens for mini in minis),
+        rho=sum(mini.plan.rollout_tokens for mini in minis) / sum(mini.plan.packed_tokens for mini in minis),
+        micro_batches=sum(mini.plan.num_micro_batches for mini in minis),
         dp_size=dp_size,
         flops=flops,
         seconds=seconds,
         peak_memory_gib=_peak_memory_gib(),
+        ratio=metrics["ratio_mean"],
+        dual_clip_fraction=metrics["dual_clip_fraction"],
+        kl=metrics["kl"],
+        entropy=_token_means(entropy_sums)["entropy"],
+        rollout_mismatch=metrics["rollout_mismatch"],
+        lr=lr,
+        updates=updates,
     )
+
+
+def _with_logprobs(policy: Policy, minis: List[MiniBatch], layout: str, reference, rollout_logprobs, bypass: bool
+                   ) -> Tuple[List[MiniBatch], Optional[List[List[RLStepOutput]]]]:
+    """The mini-batches with the log-probs their loss needs, all from before the first update: the
+    behaviour pass's (with entropies; or the rollouts' in ``bypass``), the reference's, the
+    rollouts' for the importance weights; and the behaviour pass's outputs (None when skipped)."""
+    behaviour = None if bypass else forward_only(policy.model, minis, layout, with_entropy=True)
+    references = None if reference is None else forward_only(reference, minis, layout)
+    rollout = None if rollout_logprobs is None else [mini.share(rollout_logprobs) for mini in minis]
+    minis = [
+        mini.with_logprobs(
+            old=rollout[j] if bypass else [out.logprobs for out in behaviour[j]],
+            ref=None if references is None else [out.logprobs for out in references[j]],
+            rollout=None if bypass or rollout is None else rollout[j],
+        )
+        for j, mini in enumerate(minis)
+    ]
+    return minis, behaviour
+
+
+def _metric_sums(micro_batches: Iterable[Tuple[RLMicroBatch, RLStepOutput]]) -> torch.Tensor:
+    """[sum of the micro-batch losses, then per TOKEN_METRICS name its token-weighted sum and
+    token count] over this rank's real micro-batches (float64, where the outputs are): the same
+    length on every rank."""
+    total = torch.zeros(1 + 2 * len(TOKEN_METRICS), dtype=torch.float64)
+    for mb, out in micro_batches:
+        if mb.is_padding:
+            continue
+        lens = ResponseTokens.from_layout(mb.batch.layout, out.logprobs[0][0].device).lens.double()
+        zero = lens.new_zeros(())
+        row = [zero if out.loss is None else out.loss.double()]
+        for name in TOKEN_METRICS:
+            row += [(torch.cat(out.metrics[name]).double() * lens).sum(), lens.sum()] if name in out.metrics else [zero, zero]
+        total = total.to(lens.device) + torch.stack(row)
+    return total
+
+
+def _token_means(sums: torch.Tensor) -> Dict[str, Optional[float]]:
+    """The token means of ``_metric_sums`` (None: not measured on any rank)."""
+    out = {}
+    for i, name in enumerate(TOKEN_METRICS):
+        total, count = sums[1 + 2 * i].item(), sums[2 + 2 * i].item()
+        out[name] = total / count if count else None
+    return out
+
+
+def _update_stats(update: PPOUpdate, sums: torch.Tensor, dp_size: int, seconds: float) -> UpdateStats:
+    means = _token_means(sums)
+    return UpdateStats(
+        epoch=update.epoch, mini_batch=update.index,
+        loss=sums[0].item() / (update.mini_batch.plan.num_micro_batches * dp_size),
+        ratio=means["ratio_mean"], clip_fraction=means["clip_fraction"], dual_clip_fraction=means["dual_clip_fraction"],
+        kl=means["kl"], rollout_mismatch=means["rollout_mismatch"], seconds=seconds,
+    )
+
+
+def _margin_sums(minis: List[MiniBatch]) -> List[float]:
+    """Behaviour log-prob sums and counts of the responses with positive advantage, then of the others."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    for mini in minis:
+        for mb in mini.micro_batches:
+            if mb.is_padding:
+                continue
+            response_logp = torch.stack([r.mean() for group in mb.old_logprobs for r in group]).double().cpu()
+            positive = mb.advantages.double().cpu() > 0
+            sums += torch.stack([response_logp[positive].sum(), positive.sum(),
+                                 response_logp[~positive].sum(), (~positive).sum()])
+    return sums.tolist()
+
+
+def _forward_flops(cost: CostModel, minis: List[MiniBatch], layout: str) -> float:
+    """Forward FLOPs of this rank's real micro-batches of every mini-batch (one pass over the rollout batch)."""
+    return sum(cost.layout_flops(mb.batch.layout if layout == "packed" else mb.batch.replicated().layout)
+               for mini in minis for mb in mini.micro_batches if not mb.is_padding)
+
+
+def _dp_sum(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the data-parallel ranks (float64, on the host)."""
+    values = values.to(torch.float64)
+    if torch.cuda.is_available():  # NCCL reduces device tensors only
+        values = values.to(torch.cuda.current_device())
+    dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+    return values.cpu()
 
 
 def _now() -> float:
@@ -347,6 +514,11 @@ def measure_matmul_tflops(size: int = 8192, repeats: int = 20, device: str = "cu
     return 2 * size**3 * repeats / (_now() - start) / 1e12
 
 
+# ----------------------------------------------------------------------------------------- logging
+def _optional_fields(values: Dict[str, Optional[float]]) -> str:
+    return "".join(f" | {name} {value:.4f}" for name, value in values.items() if value is not None)
+
+
 def format_stats(step: int, steps: int, stats: StepStats, peak_tflops: Optional[float]) -> str:
     tflops = stats.flops / stats.seconds / dist.get_world_size() / 1e12
     mfu = "n/a" if peak_tflops is None else f"{100 * tflops / peak_tflops:.1f}%"
@@ -354,8 +526,42 @@ def format_stats(step: int, steps: int, stats: StepStats, peak_tflops: Optional[
         f"step {step:4d}/{steps} | loss {stats.loss:+.4e} | reward {stats.reward:.3f} | margin {stats.margin:+.4f} | "
         f"clip {stats.clip_fraction:.3f} | {stats.rollout_tokens / stats.seconds:,.0f} tok/s | rho {stats.rho:.2f} | "
         f"mb {stats.micro_batches}x{stats.dp_size} | mem {stats.peak_memory_gib:.2f} GiB | "
-        f"{tflops:.4f} TFLOP/s | MFU {mfu} | {stats.seconds:.2f} s"
+        f"{tflops:.4f} TFLOP/s | MFU {mfu} | {stats.seconds:.2f} s | lr {stats.lr:.3e} | ratio {stats.ratio:.4f}"
+        + _optional_fields({"dual-clip": stats.dual_clip_fraction, "kl": stats.kl, "entropy": stats.entropy,
+                            "mismatch": stats.rollout_mismatch})
     )
+
+
+def _in_step(update: UpdateStats, ppo: PPOSchedule) -> int:
+    """The update's number in its step, from 1."""
+    return update.epoch * ppo.mini_batches + update.mini_batch + 1
+
+
+def format_update(step: int, steps: int, update: UpdateStats, ppo: PPOSchedule) -> str:
+    return (
+        f"update {step:4d}.{_in_step(update, ppo)}/{steps} | "
+        f"epoch {update.epoch + 1}/{ppo.epochs} | mini-batch {update.mini_batch + 1}/{ppo.mini_batches} | "
+        f"loss {update.loss:+.4e} | ratio {update.ratio:.4f} | clip {update.clip_fraction:.3f}"
+        + _optional_fields({"dual-clip": update.dual_clip_fraction, "kl": update.kl, "mismatch": update.rollout_mismatch})
+        + f" | {update.seconds:.2f} s"
+    )
+
+
+def log_step(log: RunLog, step: int, stats: StepStats, ppo: PPOSchedule, peak_tflops: Optional[float]) -> None:
+    """The step and its updates in --tensorboard-dir and --log-jsonl."""
+    for update in stats.updates:
+        number = (step - 1) * ppo.mini_batches * ppo.epochs + _in_step(update, ppo)  # in the run
+        log.update(step, number, update.epoch + 1, update.mini_batch + 1, dict(
+            loss=update.loss, ratio=update.ratio, clip_fraction=update.clip_fraction,
+            dual_clip_fraction=update.dual_clip_fraction, kl=update.kl, rollout_mismatch=update.rollout_mismatch,
+            seconds=update.seconds))
+    tflops = stats.flops / stats.seconds / dist.get_world_size() / 1e12
+    log.step(step, dict(
+        loss=stats.loss, reward=stats.reward, margin=stats.margin, clip_fraction=stats.clip_fraction,
+        dual_clip_fraction=stats.dual_clip_fraction, ratio=stats.ratio, kl=stats.kl, entropy=stats.entropy,
+        rollout_mismatch=stats.rollout_mismatch, lr=stats.lr, tokens_per_s=stats.rollout_tokens / stats.seconds,
+        tflops=tflops, mfu=None if peak_tflops is None else tflops / peak_tflops, rho=stats.rho,
+        peak_memory_bytes=stats.peak_memory_gib * 2**30, seconds=stats.seconds))
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -364,6 +570,7 @@ def _sharded_state_dict(policy: Policy, step: int, is_loading: bool) -> dict:
     return {
         "model": model,
         "optimizer": policy.optimizer.sharded_state_dict(model, is_loading=is_loading),
+        "opt_param_scheduler": policy.scheduler.state_dict(),  # Megatron's key for it
         "step": step,
         "card": policy.card,
         "expert_layout": _expert_layout(),
@@ -378,7 +585,7 @@ def _expert_layout() -> dict:
 
 
 def save_checkpoint(directory: Path, step: int, policy: Policy) -> Path:
-    """Model, optimizer and step as a Megatron distributed checkpoint in ``directory/iter_<step>``."""
+    """Model, optimizer, scheduler and step as a Megatron distributed checkpoint in ``directory/iter_<step>``."""
     if importlib.util.find_spec("psutil") is None:  # Megatron's writer needs it, and hangs without it
         raise InputError("--save needs psutil (Megatron's checkpoint writer): pip install psutil")
     path = directory / f"iter_{step:07d}"
@@ -392,14 +599,22 @@ def save_checkpoint(directory: Path, step: int, policy: Policy) -> Path:
     return path
 
 
-def load_checkpoint(directory: Path, policy: Policy) -> int:
-    """Restore model and optimizer from the latest checkpoint in ``directory``; the step it was saved at."""
+def _load_common_state(directory: Path) -> Tuple[Path, dict]:
+    """The latest checkpoint in ``directory`` and its common (non-tensor) state."""
     tracker = directory / TRACKER
     if not tracker.is_file():
         raise InputError(f"no checkpoint to load: {tracker} does not exist")
-    step = int(tracker.read_text().strip())
-    path = str(directory / f"iter_{step:07d}")
-    common = dist_checkpointing.load_common_state_dict(path)
+    path = directory / f"iter_{int(tracker.read_text().strip()):07d}"
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    if "opt_param_scheduler" not in common:
+        raise InputError(f"{path} was saved before checkpoints held the learning-rate schedule; start a new run "
+                         "from its weights (megatron_dualkv.models.save_model, then --model <that folder>)")
+    return path, common
+
+
+def load_checkpoint(directory: Path, policy: Policy) -> int:
+    """Restore model, optimizer and scheduler from the latest checkpoint in ``directory``; the step it was saved at."""
+    path, common = _load_common_state(directory)
     if common["card"] != policy.card:  # checked first: the tensors of another model would fail with shape errors
         raise InputError(f"{directory} holds a checkpoint of {common['card']!r}, not of --model {policy.card!r}")
     if common["expert_layout"] != _expert_layout():
@@ -408,47 +623,75 @@ def load_checkpoint(directory: Path, policy: Policy) -> int:
             "the optimizer state does not reshard across expert layouts; resume with the same --ep, or start a "
             "new run from the weights alone (megatron_dualkv.models.save_model, then --model <that folder>)"
         )
-    state = dist_checkpointing.load(_sharded_state_dict(policy, step, is_loading=True), path)
+    _check_same_schedule(common["opt_param_scheduler"], policy.scheduler.state_dict(), directory)
+    state = dist_checkpointing.load(_sharded_state_dict(policy, common["step"], is_loading=True), str(path))
     policy.model.module.load_state_dict(state["model"])
     policy.optimizer.load_state_dict(state["optimizer"])
+    policy.scheduler.load_state_dict(common["opt_param_scheduler"])
     return state["step"]
+
+
+def _check_same_schedule(saved: dict, ours: dict, directory: Path) -> None:
+    """InputError naming the flags in which this run's schedule differs from the checkpoint's
+    (Megatron's training loop asserts they match unless told which to use)."""
+    differences = [f"{flag} {ours[name]} (checkpoint: {saved[name]})" for name, flag in SCHEDULE_FLAGS.items()
+                   if ours[name] != saved[name]]
+    if differences:
+        raise InputError(f"{directory} was saved with another learning-rate schedule: this run has "
+                         + ", ".join(differences) + "; resume with the flags of the saved run")
 
 
 # ------------------------------------------------------------------------------------------- main
 def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     policy = build_policy(args)
-    groups = read_rollouts(args.rollouts, policy.vocab_size, args.tokenizer)
+    reference = build_reference(args)
+    rollouts = read_run_rollouts(args, policy.vocab_size)
     start = load_checkpoint(args.load, policy) if args.load else 0
     rank0 = dist.get_rank() == 0
     peak = args.peak_tflops if args.peak_tflops is not None else (measure_matmul_tflops() if torch.cuda.is_available() else None)
+    loss_fn, ppo = make_loss(args), PPOSchedule(args.mini_batches, args.ppo_epochs)
     if rank0:
         params = sum(p.numel() for p in policy.model.module.parameters())
         print(f"model {args.model} ({params:,} parameters on rank 0) | layout {args.layout} | loss {args.loss} | "
               f"world {dist.get_world_size()} (tp {args.tp} pp {args.pp} ep {args.ep} cp {args.cp}, "
-              f"dp {parallel_state.get_data_parallel_world_size()}) | {len(groups)} rollout groups from {args.rollouts.name}"
+              f"dp {parallel_state.get_data_parallel_world_size()}) | "
+              f"{len(rollouts.groups)} rollout groups from {args.rollouts.name}"
+              + (f" | {ppo.mini_batches} mini-batches x {ppo.epochs} epochs" if ppo.mini_batches * ppo.epochs > 1 else "")
+              + (f" | reference {args.ref_load}" if reference is not None else "")
               + (f" | resumed at step {start}" if start else "")
               + ("" if peak is None else f" | peak {peak:.0f} TFLOP/s"), flush=True)
     if start >= args.steps and rank0:
         print(f"the checkpoint is at step {start}: nothing to run up to --steps {args.steps}")
+    log = RunLog(args.tensorboard_dir, args.log_jsonl) if rank0 else None
     progress = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, unit="step", disable=not rank0)
     for step in progress:
-        stats = policy_update_step(policy, step_groups(groups, step, args.global_batch_size), LOSSES[args.loss],
-                                   args.max_tokens, args.layout)
+        index = step_indices(len(rollouts.groups), step, args.global_batch_size)
+        stats = policy_update_step(
+            policy, [rollouts.groups[i] for i in index], loss_fn, args.max_tokens, args.layout, ppo, reference,
+            None if rollouts.logprobs is None else [rollouts.logprobs[i] for i in index],
+        )
+        policy.scheduler.step(1)
         if rank0:
+            if len(stats.updates) > 1:
+                for update in stats.updates:
+                    progress.write(format_update(step, args.steps, update, ppo))
             progress.write(format_stats(step, args.steps, stats, peak))
             progress.set_postfix(loss=f"{stats.loss:.3e}", tok_s=f"{stats.rollout_tokens / stats.seconds:,.0f}")
+            log_step(log, step, stats, ppo, peak)
         if args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
             path = save_checkpoint(args.save, step, policy)
             if rank0:
                 progress.write(f"saved {path}")
+    if log is not None:
+        log.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         train(args)
-    except InputError as err:
+    except (InputError, RolloutFileError) as err:
         raise SystemExit(f"error: {err}") from None
     finally:
         if dist.is_initialized():

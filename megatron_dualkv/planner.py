@@ -36,7 +36,8 @@ Algorithm (deterministic):
    gets *padding* micro-batches: ``pack()`` turns one into a dummy group of a 1-token prompt and a 1-token
    response, and ``select_responses`` gives that response 0. With advantage 0 the clipped policy
    term and its gradient are exactly 0; a KL term also vanishes when the dummy's reference
-   log-probs are its own current ones (MoE load-balancing losses do see the dummy's two tokens).
+   log-probs are its own current ones, and the whole loss does in ``RLMicroBatch(...,
+   is_padding=True)`` (MoE load-balancing losses do see the dummy's two tokens).
 
 Normalisation: Megatron's schedule divides each micro-batch loss by ``M`` and DDP averages
 gradients over DP ranks, so a loss that divides by its micro-batch's own count is not the loss of

@@ -15,6 +15,9 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
   layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
   that the test assembles into full tensors. Among them a layer count that pp splits unevenly
   and a vocabulary that tp pads to another size than one process does.
+* ``ppo_dp2``: two PPO mini-batches (``ppo_updates``) at dp=2, one of them with a padding
+  micro-batch: the parameters after both optimizer steps (test_parallel runs ``ppo_run`` in one
+  process too).
 """
 import math
 import os
@@ -33,11 +36,14 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import ModelCard, build_model, load_card
 from megatron_dualkv.models.hf_export import _global_name  # the single-rank model's name of a parameter
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
 from megatron_dualkv.rl import (
-    GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, vocab_parallel_logprobs,
+    GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, forward_only, plan_mini_batches, ppo_updates,
+    vocab_parallel_logprobs,
 )
-from rollouts import make_batch, perturbed
+from rollouts import make_batch, make_groups, perturbed
 
 VOCAB_LOGITS_SEED = 5
 SEED = 1234
@@ -242,10 +248,35 @@ def ep2():
     return dict(packed=forward_logprobs(model, batch), replicated=forward_logprobs(model, batch, layout="replicated"))
 
 
+# Mini-batch 1: one group of 3 responses, split between 2 DP ranks; mini-batch 2: a group of one
+# response, so that the second rank runs a padding micro-batch.
+PPO_SHAPES = [(5, [3, 1, 4]), (3, [2])]
+
+
+def ppo_run() -> Dict:
+    """Two mini-batches of GRPO with a KL term (reference: the behaviour log-probs) through
+    ``ppo_updates`` on the data-parallel ranks of this world, SGD; the parameters after both steps
+    and the mini-batches' number of micro-batches with the padding ones of this rank."""
+    model = build_model("qwen3-tiny", seed=SEED)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    model.config.no_sync_func, model.config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=0.0), [ddp])
+    groups = make_groups(PPO_SHAPES)
+    loss_fn = GRPOLoss(clip_eps=0.2, kl_coef=0.5)
+    minis = plan_mini_batches(groups, 2, 64, loss_fn.advantages([torch.tensor(g.rewards) for g in groups]),
+                              dp_size=parallel_state.get_data_parallel_world_size(), dp_rank=parallel_state.get_data_parallel_rank())
+    behaviour = [[out.logprobs for out in outs] for outs in forward_only(ddp, minis)]
+    minis = [mini.with_logprobs(old=b, ref=b) for mini, b in zip(minis, behaviour)]
+    for _ in ppo_updates(ddp, optimizer, minis, loss_fn):
+        pass
+    return dict(parameters={n: p.detach().clone() for n, p in model.named_parameters()},
+                padding=[[mb.is_padding for mb in mini.micro_batches] for mini in minis])
+
+
 def run_scenario(name: str) -> Dict:
     if name in PARALLEL_RUNS:
         return parallel_run(PARALLEL_RUNS[name])
-    return {"tp2": tp2, "ep2": ep2}[name]()
+    return {"tp2": tp2, "ep2": ep2, "ppo_dp2": ppo_run}[name]()
 
 
 def main(out_dir: str, scenarios: List[str]) -> None:

@@ -1,6 +1,8 @@
 """Rollout batches with awkward shapes for the Megatron-Core and RL tests (uneven groups, a
 one-token prompt, one-token responses, a group with a single response, and padding), and the
-model-card helpers those tests share."""
+model-card helpers those tests share; a small Hugging Face tokenizer trained on the bundled corpus."""
+from pathlib import Path
+
 import torch
 
 from megatron_dualkv import RolloutGroup, pack_groups
@@ -73,3 +75,30 @@ def parameter_count(card) -> int:
     from megatron_dualkv.models.checkpoint import _meta_model
 
     return sum(p.numel() for p in _meta_model(load_card(card)).parameters())
+
+
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.txt"
+# Qwen's chat format without newlines (the tiny tokenizer's alphabet is the corpus's)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def make_hf_tokenizer(folder, vocab_size=200):
+    """A Hugging Face tokenizer folder trained here (``tokenizers`` BPE on examples/data/corpus.txt,
+    no download): tokenizer.json, and tokenizer_config.json naming the EOS token and a chat template.
+    Returns the folder."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False)
+    tokenizer.train([str(CORPUS)], trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>",
+              "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

@@ -1,7 +1,11 @@
 """The example scripts end to end (subprocesses, world size 1 unless noted): the GRPO/DAPO launch
-script on the packed and replicated layouts, save then resume, token-id rollouts, and on two GPUs
-the one-GPU steps at tp, pp, cp, dp or ep 2; the attention demo; the bundled tokenizer's
-reproducibility; the launch script's input errors."""
+script on the packed and replicated layouts with PPO mini-batches and an LR schedule, save then
+resume, token-id rollouts, a run of the whole RL loop (chat rollouts through a Hugging Face
+tokenizer, rollout log-probs with truncated importance sampling, a reference policy, dual clip,
+TensorBoard and JSONL logs, tools/plot_run.py) against an independent forward of its models, and
+on two GPUs the one-GPU steps at tp, pp, cp, dp or ep 2; the attention demo; the bundled
+tokenizer's reproducibility; in-process, the steps' ratios and the launch script's input errors."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -14,9 +18,11 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from megatron_dualkv.models import build_model
-from megatron_dualkv.rl import forward_logprobs
-from rollouts import make_batch, max_abs_diff
+from megatron_dualkv import RolloutGroup, pack_groups
+from megatron_dualkv.models import build_model, load_model
+from megatron_dualkv.rl import RLMicroBatch, forward_backward, forward_logprobs
+from megatron_dualkv.rollout_io import read_rollouts
+from rollouts import make_batch, make_groups, make_hf_tokenizer, max_abs_diff
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "grpo_policy_update.py"
@@ -24,7 +30,17 @@ STEP = re.compile(
     r"step\s+(?P<step>\d+)/(?P<steps>\d+) \| loss (?P<loss>\S+) \| reward (?P<reward>\S+) \| margin (?P<margin>\S+) \| "
     r"clip (?P<clip>\S+) \| (?P<tokens_per_s>[\d,]+) tok/s \| rho (?P<rho>\S+) \| mb (?P<mb>\d+)x(?P<dp>\d+) \| "
     r"mem (?P<mem>\S+) GiB \| (?P<tflops>\S+) TFLOP/s \| MFU (?P<mfu>\S+) \| (?P<seconds>\S+) s"
+    r"(?: \| lr (?P<lr>\S+) \| ratio (?P<ratio>\S+))?(?: \| dual-clip (?P<dual_clip>\S+))?(?: \| kl (?P<kl>\S+))?"
+    r"(?: \| entropy (?P<entropy>\S+))?(?: \| mismatch (?P<mismatch>\S+))?"
 )
+UPDATE = re.compile(
+    r"update\s+(?P<step>\d+)\.(?P<update>\d+)/(?P<steps>\d+) \| epoch (?P<epoch>\d+)/(?P<epochs>\d+) \| "
+    r"mini-batch (?P<mini_batch>\d+)/(?P<mini_batches>\d+) \| loss (?P<loss>\S+) \| ratio (?P<ratio>\S+) \| "
+    r"clip (?P<clip>\S+)(?: \| dual-clip (?P<dual_clip>\S+))?(?: \| kl (?P<kl>\S+))?(?: \| mismatch (?P<mismatch>\S+))? \| "
+    r"(?P<seconds>\S+) s"
+)
+# the DAPO runs' schedule: several updates per step, a learning rate that changes every step
+PPO_FLAGS = ("--mini-batches", 2, "--lr-decay-style", "cosine", "--lr-decay-steps", 4, "--min-lr", 1e-4)
 
 
 def load(path: Path, name: str):
@@ -52,6 +68,11 @@ def run_script(*args, ranks=1):
     return out, steps
 
 
+def update_lines(out):
+    """The script's update lines: {(step, update): fields}."""
+    return {(int(m["step"]), int(m["update"])): m.groupdict() for m in UPDATE.finditer(out)}
+
+
 def save_weights(card: str, folder: Path, **build_kwargs) -> None:
     """A Megatron checkpoint folder of ``card`` with the random weights of ``build_model(card, **build_kwargs)``."""
     run("-c", "from megatron_dualkv.models import build_model, save_model; "
@@ -63,15 +84,22 @@ def number(fields, key):
 
 
 @pytest.fixture(scope="module")
-def dapo_runs(tmp_path_factory):
-    """The same DAPO steps from the same weights (qwen3-tiny at seed 77) three ways: 3 packed steps
-    from a converted Megatron checkpoint of those weights (``--model <folder>``, run at the default
-    seed, so only loaded weights can match); 2 replicated steps from the card, saved; step 3 resumed."""
+def weights_77(tmp_path_factory):
+    """A converted Megatron checkpoint of qwen3-tiny's random weights at seed 77."""
     converted = tmp_path_factory.mktemp("converted") / "qwen3-tiny-77"
     save_weights("qwen3-tiny", converted, seed=77)
+    return converted
+
+
+@pytest.fixture(scope="module")
+def dapo_runs(tmp_path_factory, weights_77):
+    """The same DAPO steps (2 mini-batches a step, cosine LR) from the same weights (qwen3-tiny at
+    seed 77) three ways: 3 packed steps from a converted Megatron checkpoint of those weights
+    (``--model <folder>``, run at the default seed, so only loaded weights can match); 2 replicated
+    steps from the card, saved; step 3 resumed."""
     checkpoints = tmp_path_factory.mktemp("checkpoints")
-    straight = run_script("--model", converted, "--loss", "dapo", "--steps", 3)
-    card = ("--model", "qwen3-tiny", "--seed", 77, "--loss", "dapo")
+    straight = run_script("--model", weights_77, "--loss", "dapo", "--steps", 3, *PPO_FLAGS)
+    card = ("--model", "qwen3-tiny", "--seed", 77, "--loss", "dapo", *PPO_FLAGS)
     replicated = run_script(*card, "--steps", 2, "--layout", "replicated", "--save", checkpoints)
     resumed = run_script(*card, "--steps", 3, "--load", checkpoints)
     return straight, replicated, resumed, checkpoints
@@ -80,34 +108,68 @@ def dapo_runs(tmp_path_factory):
 def test_packed_run_logs_sane_numbers(dapo_runs):
     (out, steps), *_ = dapo_runs
     assert "model " in out and "qwen3-tiny-77" in out and "layout packed | loss dapo" in out and sorted(steps) == [1, 2, 3]
+    assert "| 2 mini-batches x 1 epochs" in out
     for fields in steps.values():
         assert math.isfinite(number(fields, "loss")) and number(fields, "loss") != 0
         assert 0 <= number(fields, "reward") <= 1 and 0 <= number(fields, "clip") <= 1
         assert number(fields, "tokens_per_s") > 0 and number(fields, "tflops") > 0 and number(fields, "mem") > 0
         assert number(fields, "rho") > 2  # 4 to 16 responses share a prompt of ~135 tokens
         # MFU needs a GPU's measured matmul rate
-        assert (fields["mfu"] != "n/a") == torch.cuda.is_available() and fields["dp"] == "1" and int(fields["mb"]) >= 1
+        assert (fields["mfu"] != "n/a") == torch.cuda.is_available() and fields["dp"] == "1" and int(fields["mb"]) >= 2
+        assert 5 < number(fields, "entropy") < math.log(256) and fields["kl"] is None and fields["dual_clip"] is None
     # the policy learns the rewards: rewarded responses gain log-probability over the others
     assert number(steps[3], "margin") > number(steps[1], "margin")
+    updates = update_lines(out)
+    assert sorted(updates) == [(step, k) for step in (1, 2, 3) for k in (1, 2)]
+    for step in (1, 2, 3):  # the second mini-batch's behaviour log-probs are from before the first update
+        assert number(updates[step, 1], "ratio") == pytest.approx(1.0, abs=1e-4) != number(updates[step, 2], "ratio")
+        mean = (number(updates[step, 1], "loss") + number(updates[step, 2], "loss")) / 2
+        assert number(steps[step], "loss") == pytest.approx(mean, rel=1e-3, abs=1e-7)
+
+
+def test_learning_rate_follows_megatrons_cosine_schedule(dapo_runs):
+    """lr(s) = min + (max - min) (1 + cos(pi (s - 1) / 4)) / 2 for the step s, by its own formula:
+    the scheduler steps once per step, after the step's updates."""
+    (_, straight), *_ = dapo_runs
+    for step in (1, 2, 3):
+        want = 1e-4 + (1e-3 - 1e-4) * (1 + math.cos(math.pi * (step - 1) / 4)) / 2
+        assert number(straight[step], "lr") == pytest.approx(want, rel=1e-3), step
 
 
 def test_replicated_layout_and_the_converted_checkpoint_give_the_same_steps(dapo_runs):
     (_, packed), (out, replicated), *_ = dapo_runs
     assert "layout replicated" in out and sorted(replicated) == [1, 2]
     for step in (1, 2):
-        for key in ("loss", "margin", "reward", "rho"):
+        for key in ("loss", "margin", "reward", "rho", "ratio", "lr"):
             assert number(replicated[step], key) == pytest.approx(number(packed[step], key), rel=1e-3, abs=1e-6), (step, key)
 
 
 def test_resume_continues_from_the_checkpoint(dapo_runs):
     """Saved after step 2 (on the replicated layout: model and optimizer do not depend on it),
-    resumed for step 3: the same step 3 as the run that never stopped."""
+    resumed for step 3: the same step 3, learning rate included, as the run that never stopped."""
     (_, straight), (saved_out, _), (out, resumed), checkpoints = dapo_runs
     assert f"saved {checkpoints / 'iter_0000002'}" in saved_out
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert "resumed at step 2" in out and sorted(resumed) == [3]
-    for key in ("loss", "margin"):
+    for key in ("loss", "margin", "lr", "ratio"):
         assert number(resumed[3], key) == pytest.approx(number(straight[3], key), rel=1e-4, abs=1e-7), key
+
+
+def test_resume_restores_the_schedule_and_refuses_another(script, dapo_runs):
+    """In this process: the checkpoint after step 2 puts the scheduler at 2 steps (the learning rate
+    of step 3 now, of step 4 after the next scheduler step); other schedule flags are refused."""
+    *_, checkpoints = dapo_runs
+    flags = ["--seed", "77", "--load", str(checkpoints), *map(str, PPO_FLAGS)]
+    policy = script.build_policy(script.parse_args(flags))
+    assert script.load_checkpoint(checkpoints, policy) == 2 and policy.scheduler.num_steps == 2
+    policy.scheduler.step(1)
+    assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4 + (1e-3 - 1e-4) * (1 + math.cos(math.pi * 3 / 4)) / 2)
+    other = ["--seed", "77", "--lr-decay-style", "linear", "--load", str(checkpoints), *map(str, PPO_FLAGS[:2])]
+    policy = script.build_policy(script.parse_args(other))  # the decay length comes from the checkpoint: 4 steps
+    assert policy.scheduler.lr_decay_steps == 4
+    with pytest.raises(script.InputError, match=r"another learning-rate schedule: this run has --min-lr 0.0 \(checkpoint: "
+                                                r"0.0001\), --lr-decay-style linear \(checkpoint: cosine\); resume with"):
+        script.load_checkpoint(checkpoints, policy)
 
 
 @pytest.mark.skipif(0 < torch.cuda.device_count() < 2, reason="two NCCL ranks need two GPUs")
@@ -154,6 +216,28 @@ def test_two_gpus_take_the_one_gpu_steps(one_gpu_runs, name):
         assert number(got[step], "margin") == pytest.approx(number(want[step], "margin"), abs=1e-3), step
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL on two GPUs (test_parallel checks PPO mini-batches at dp 2 on gloo)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gpus_take_the_one_gpu_ppo_updates(one_gpu_runs, dtype):
+    """Mini-batches, epochs, dual clip, a reference policy and a cosine schedule at dp 2 (NCCL),
+    from the same weights: the one-GPU run's steps and updates (bf16: a reference in bf16 too)."""
+    weights, _ = one_gpu_runs["qwen3-tiny"]
+    flags = ("--model", weights, "--dtype", dtype, "--steps", 2, "--mini-batches", 2, "--ppo-epochs", 2, "--clip-ratio-c", 3,
+             "--ref-load", weights, "--kl-coef", 0.05, "--lr-decay-style", "cosine", "--lr", 1e-2)
+    one_out, want = run_script(*flags)
+    out, got = run_script(*flags, ranks=2)
+    tolerance = 1e-3 if dtype == "float32" else 2e-2
+    assert "world 2" in out and sorted(got) == sorted(want) == [1, 2]
+    for step in (1, 2):
+        assert got[step]["reward"] == want[step]["reward"] and got[step]["lr"] == want[step]["lr"], step
+        for key in ("margin", "ratio", "kl", "clip"):
+            assert number(got[step], key) == pytest.approx(number(want[step], key), abs=tolerance), (step, key)
+    got_updates, want_updates = update_lines(out), update_lines(one_out)
+    assert sorted(got_updates) == sorted(want_updates) and len(got_updates) == 8
+    for key, fields in want_updates.items():
+        assert number(got_updates[key], "ratio") == pytest.approx(number(fields, "ratio"), abs=tolerance), key
+
+
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
     rollouts = tmp_path / "ids.jsonl"
     groups = [  # 20 + 102 tokens: over a 64-token budget, so split into sub-groups carrying the prompt
@@ -190,46 +274,39 @@ def script():
 
 
 @pytest.mark.parametrize(
-    "line, message",
+    "flags, message",
     [
-        ('{"prompt": [1], "responses": [[2]], "rewards": [1.0]}\n{"prompt": [1], oops}', r"ids.jsonl:2: not valid JSON"),
-        ('{"prompt": [1], "responses": [[2]]}', r":1: expected an object with 'prompt', 'responses' and 'rewards'"),
-        ('{"prompt": [1], "responses": [], "rewards": []}', r":1: 'responses' must be a non-empty list"),
-        ('{"prompt": [1], "responses": [[2], [3]], "rewards": [1.0]}', r":1: 'rewards' must be a list of 2 numbers"),
-        ('{"prompt": [1], "responses": [[2], [300]], "rewards": [1, 0]}', r":1: response 1: token id 300 is outside the model's vocabulary \(vocab_size 256\)"),
-        ('{"prompt": [-1], "responses": [[2]], "rewards": [1]}', r":1: prompt: token id -1 is outside"),
-        ('{"prompt": [1.5], "responses": [[2]], "rewards": [1]}', r":1: prompt: token ids must be integers"),
-        ('{"prompt": [], "responses": [[2]], "rewards": [1]}', r":1: prompt: expected a non-empty list"),
-        ('{"prompt": "text", "responses": [[2]], "rewards": [1]}', r":1: a text prompt needs text responses"),
-        ("\n\n", r"no rollout groups"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--rollouts", "missing.jsonl"], "--rollouts: file not found: missing.jsonl"),
+        (["--mini-batches", "3"], "--global-batch-size 8 does not split into --mini-batches 3 of equal size"),
+        (["--ppo-epochs", "0"], "--ppo-epochs must be >= 1"),
+        (["--tis-cap", "0"], r"--tis-cap must be > 0 \(the cap C of the importance weight min\(pi_old / pi_rollout, C\)\), got 0.0"),
+        (["--tis-cap", "-2"], "--tis-cap must be > 0"),
+        (["--clip-ratio-c", "1"], "--clip-ratio-c must be > 1"),
+        (["--kl-coef", "0.1"], r"--kl-coef needs a reference policy \(--ref-load\)"),
+        (["--ref-load", "missing"], "--ref-load: not a checkpoint folder: missing"),
+        (["--min-lr", "0.1"], "--min-lr must be between 0 and --lr 0.001, got 0.1"),
+        (["--lr-warmup-steps", "4", "--lr-decay-steps", "4"], r"--lr-decay-steps \(4\) must be larger than --lr-warmup-steps \(4\)"),
     ],
 )
-def test_malformed_rollouts_are_reported_with_their_line(script, tmp_path, line, message):
-    path = tmp_path / "ids.jsonl"
-    path.write_text(line)
-    with pytest.raises(script.InputError, match=message):
-        script.read_rollouts(path, 256, tokenizer_path=None)
-
-
-def test_text_rollouts_need_a_tokenizer_that_fits_the_vocabulary(script, tmp_path):
-    path = tmp_path / "text.jsonl"
-    path.write_text('{"prompt": "What is 2 + 2?", "responses": ["4", "5"], "rewards": [1, 0]}\n')
-    with pytest.raises(script.InputError, match=r"text.jsonl:1: text rollouts need a SentencePiece model"):
-        script.read_rollouts(path, 256, tokenizer_path=None)
-    with pytest.raises(script.InputError, match=r"tokenizer not found"):
-        script.read_rollouts(path, 256, tokenizer_path=tmp_path / "missing.model")
-    with pytest.raises(script.InputError, match=r"has 256 pieces, more than the model's vocab_size 100"):
-        script.read_rollouts(path, 100, tokenizer_path=script.DATA / "tokenizer.model")
-    (group,) = script.read_rollouts(path, 256, tokenizer_path=script.DATA / "tokenizer.model")
-    assert group.prompt[0] == 1 and all(r[-1] == 2 for r in group.responses)  # <s> prompt, response </s>
-    assert group.rewards == [1.0, 0.0]
-
-
-def test_bad_flags(script, tmp_path):
+def test_bad_flags(script, capsys, flags, message):
     with pytest.raises(SystemExit):
-        script.parse_args(["--max-tokens", "0"])
-    with pytest.raises(SystemExit):
-        script.parse_args(["--rollouts", str(tmp_path / "missing.jsonl")])
+        script.parse_args(flags)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_input_errors_name_what_is_wrong(script, tmp_path):
+    """--tis-cap without rollout log-probs; a reference checkpoint of another architecture (the
+    error names both, before any weights are read)."""
+    with pytest.raises(script.InputError, match=r"--tis-cap needs the inference engine's log-probs: .*rollouts.jsonl has no 'logprobs'"):
+        script.read_run_rollouts(script.parse_args(["--tis-cap", "2"]), 256)
+    other = tmp_path / "moe-reference"
+    other.mkdir()
+    (other / "config.json").write_text((ROOT / "models" / "qwen3-moe-tiny.json").read_text())
+    args = script.parse_args(["--ref-load", str(other)])
+    with pytest.raises(script.InputError, match=rf"--ref-load {other} holds another architecture than --model qwen3-tiny: "
+                                                r"model_type 'qwen3' vs 'qwen3_moe', moe_aux_loss_coeff None vs 0.001.*\(\+\d+ more\)"):
+        script.build_reference(args)
 
 
 @pytest.fixture(scope="module")
@@ -352,3 +429,157 @@ def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monk
     assert [cmd[cmd.index("--models") + 1] for cmd in runs] == ["moe", "dense"]
     assert all({"--tiny", "--device", "cpu", "--repeats", "2"} <= set(cmd) for cmd in runs)
     assert [r.model for r in bench.read_results(tmp_path / "policy_update.csv")] == ["moe", "moe", "dense", "dense"]
+
+
+# ------------------------------------------------------------------------------- the whole RL loop
+QUESTIONS = ["Kofi has 35 coins and gets 8 more. How many coins does he have?",
+             "A farmer has 12 cows and sells 5. How many are left?",
+             "What is 7 times 6?", "Amara reads 9 pages a day for 3 days. How many pages is that?"]
+ANSWERS = ["He has 43 coins. Answer: 43", "Answer: 42", "There are 7 left. Answer: 7", "Answer: 27", "The answer is 54."]
+
+
+@pytest.fixture(scope="module")
+def rl_loop(tmp_path_factory, weights_77):
+    """The launch script with everything on: chat prompts through a Hugging Face tokenizer folder
+    (trained here), the rollouts' log-probs with --tis-cap, a reference policy (seed 77's weights)
+    with a KL term, dual clip, 2 mini-batches x 2 epochs, warmup then linear decay, TensorBoard and
+    JSONL logs; 2 steps of 4 groups."""
+    folder = tmp_path_factory.mktemp("rl_loop")
+    tokenizer = make_hf_tokenizer(folder / "tokenizer")
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for i, question in enumerate(QUESTIONS):
+        responses = ANSWERS[i % 2 : i % 2 + 2 + i % 3]
+        lengths = [len(ids) for ids in read_tokens(tokenizer, responses)]
+        lines.append({"prompt": [{"role": "system", "content": "Solve it."}, {"role": "user", "content": question}],
+                      "responses": responses, "rewards": [float(j % 2) for j in range(len(responses))],
+                      "logprobs": [(-0.1 - 5 * torch.rand(n, generator=g)).tolist() for n in lengths]})
+    rollouts = folder / "chat.jsonl"
+    rollouts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    flags = ["--rollouts", rollouts, "--tokenizer", tokenizer, "--global-batch-size", 4, "--mini-batches", 2,
+             "--ppo-epochs", 2, "--clip-ratio-c", 2, "--tis-cap", 1.5, "--ref-load", weights_77, "--kl-coef", 0.05,
+             "--lr", 1e-2, "--lr-warmup-steps", 1, "--lr-decay-style", "linear", "--steps", 2,
+             "--tensorboard-dir", folder / "tb", "--log-jsonl", folder / "run.jsonl"]
+    out, steps = run_script(*flags)
+    return dict(out=out, steps=steps, updates=update_lines(out), folder=folder, rollouts=rollouts, tokenizer=tokenizer)
+
+
+def read_tokens(tokenizer, responses):
+    """The responses' token ids as the tokenizers library makes them, EOS appended."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    return [raw.encode(r, add_special_tokens=False).ids + [raw.token_to_id("<|im_end|>")] for r in responses]
+
+
+def test_rl_loop_logs_every_update_and_warms_up(rl_loop):
+    out, steps, updates = rl_loop["out"], rl_loop["steps"], rl_loop["updates"]
+    assert "| 2 mini-batches x 2 epochs | reference" in out and sorted(steps) == [1, 2]
+    assert sorted(updates) == [(step, k) for step in (1, 2) for k in (1, 2, 3, 4)]
+    assert [(updates[1, k]["epoch"], updates[1, k]["mini_batch"]) for k in (1, 2, 3, 4)] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
+    # warmup from 0: step 1 runs at lr 0 (Megatron's first warmup step), so its updates do not move the policy
+    assert number(steps[1], "lr") == 0 and number(steps[2], "lr") == pytest.approx(1e-2)
+    assert all(number(updates[1, k], "ratio") == pytest.approx(1.0, abs=1e-4) for k in (1, 2, 3, 4))
+    moved = [number(updates[2, k], "ratio") for k in (2, 3, 4)]
+    assert number(updates[2, 1], "ratio") == pytest.approx(1.0, abs=1e-4) and all(abs(r - 1) > 1e-3 for r in moved), moved
+    assert max(number(updates[2, k], "clip") for k in (2, 3, 4)) > 0, "later updates must clip"
+    for fields in [*steps.values(), *updates.values()]:
+        assert fields["kl"] is not None and fields["dual_clip"] is not None and fields["mismatch"] is not None
+
+
+def test_rl_loop_metrics_match_an_independent_forward_of_its_models(rl_loop, weights_77):
+    """Update 1 of step 1 (the behaviour policy): the KL to the reference checkpoint, the
+    rollout-training mismatch |behaviour - rollout| and the entropy, as token means, from the
+    script's models built again here (its seed, the checkpoint) on the replicated layout."""
+    rollouts = read_rollouts(rl_loop["rollouts"], 256, rl_loop["tokenizer"])
+    policy, reference = build_model("qwen3-tiny", seed=1234), load_model(weights_77)
+    with torch.no_grad():
+        per_group = []
+        for group, rollout in zip(rollouts.groups, rollouts.logprobs):
+            batch = pack_groups([group])
+            (out,) = forward_backward(policy, [RLMicroBatch(batch)], layout="replicated", with_entropy=True)
+            (ref,) = forward_logprobs(reference, batch, layout="replicated")
+            per_group.append([(lp, ent, rf, ro) for lp, ent, rf, ro in zip(out.logprobs[0], out.entropy[0], ref, rollout)])
+    tokens = lambda groups, f: torch.cat([f(*r) for g in groups for r in per_group[g]])  # noqa: E731
+    k3 = lambda lp, ent, rf, ro: torch.exp(rf - lp) - (rf - lp) - 1  # noqa: E731
+    records = [json.loads(line) for line in (rl_loop["folder"] / "run.jsonl").read_text().splitlines()]
+    first_update = next(r for r in records if r["kind"] == "update" and r["update"] == 1)
+    step_1 = next(r for r in records if r["kind"] == "step" and r["step"] == 1)
+    assert first_update["kl"] == pytest.approx(tokens([0, 1], k3).mean().item(), rel=1e-4)
+    assert step_1["rollout_mismatch"] == pytest.approx(tokens(range(4), lambda lp, ent, rf, ro: (lp - ro).abs()).mean().item(), rel=1e-4)
+    assert step_1["entropy"] == pytest.approx(tokens(range(4), lambda lp, ent, rf, ro: ent).mean().item(), rel=1e-4)
+    assert first_update["ratio"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_rl_loop_jsonl_tensorboard_and_plots_agree(rl_loop):
+    """One JSONL line per update and per step with the printed numbers; the TensorBoard folder
+    holds the same step curves; tools/plot_run.py draws a PNG from either."""
+    plot_run = load(ROOT / "tools" / "plot_run.py", "plot_run")
+    folder, steps, updates = rl_loop["folder"], rl_loop["steps"], rl_loop["updates"]
+    records = [json.loads(line) for line in (folder / "run.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [("update", 1)] * 4 + [("step", 1)] + [("update", 2)] * 4 + [("step", 2)]
+    assert [r["update"] for r in records if r["kind"] == "update"] == list(range(1, 9))
+    for record in records:
+        printed = steps[record["step"]] if record["kind"] == "step" else updates[record["step"], (record["update"] - 1) % 4 + 1]
+        for key, field in (("loss", "loss"), ("ratio", "ratio"), ("kl", "kl"), ("rollout_mismatch", "mismatch")):
+            assert record[key] == pytest.approx(number(printed, field), rel=1e-3, abs=1e-4), (record, key)
+    from_jsonl, from_tensorboard = plot_run.read_run(folder / "run.jsonl"), plot_run.read_run(folder / "tb")
+    assert from_jsonl.keys() == from_tensorboard.keys() >= {"loss", "reward", "kl", "entropy", "lr", "dual_clip_fraction"}
+    for name, points in from_jsonl.items():
+        assert [step for step, _ in points] == [1, 2] == [step for step, _ in from_tensorboard[name]], name
+        assert [v for _, v in points] == pytest.approx([v for _, v in from_tensorboard[name]], rel=1e-6), name
+    for source in (folder / "run.jsonl", folder / "tb"):
+        png = folder / f"{source.name}.png"
+        plot_run.main([str(source), "--out", str(png)])
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------ a step, in this process
+@pytest.fixture(scope="module")
+def policy_args(script):
+    return script.parse_args(["--lr", "3e-2", "--seed", "9"])
+
+
+def test_update_ratios_are_those_of_the_model_after_the_earlier_updates(script, policy_args):
+    """2 mini-batches x 2 epochs: the behaviour log-probs are computed once, before update 1, so the
+    ratio of an update is the token mean of exp(new - old), new from an independent forward (the
+    replicated layout, a group at a time) of the model after the updates before it."""
+    policy = script.build_policy(policy_args)
+    groups = make_groups([(6, [3, 5]), (4, [2, 2, 4]), (9, [1, 6]), (3, [4, 3])])
+    groups = [RolloutGroup(g.prompt, g.responses, [float(i % 2) for i in range(len(g.responses))]) for g in groups]
+
+    def logprobs():
+        with torch.no_grad():
+            return [forward_logprobs(policy.model.module, pack_groups([g]), layout="replicated")[0] for g in groups]
+
+    after, step = [logprobs()], policy.optimizer.step
+    policy.optimizer.step = lambda: (step(), after.append(logprobs()))[0]
+    stats = script.policy_update_step(policy, groups, script.LOSSES["grpo"], 64, "packed", script.PPOSchedule(2, 2))
+    old = after[0]
+    for k, update in enumerate(stats.updates):
+        new, mini = after[k], [(0, 1), (2, 3)][update.mini_batch]
+        want = torch.cat([torch.exp(n - o) for g in mini for n, o in zip(new[g], old[g])]).mean().item()
+        assert update.ratio == pytest.approx(want, rel=1e-5), k
+    assert [(u.epoch, u.mini_batch) for u in stats.updates] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert stats.updates[0].ratio == pytest.approx(1.0, abs=1e-6) and abs(stats.updates[1].ratio - 1) > 1e-3
+
+
+def test_rollout_logprobs_replace_the_behaviour_pass(script, policy_args, monkeypatch):
+    """Without --tis-cap the rollouts' log-probs are the behaviour log-probs: no forward-only pass,
+    and update 1's ratio is exp(current - rollout); with it, the pass runs and they only weigh."""
+    policy = script.build_policy(policy_args)
+    groups = make_groups([(6, [3, 5]), (4, [2, 2, 4])])
+    rollout = [[torch.full((len(r),), -5.0) for r in g.responses] for g in groups]
+    passes = []
+    forward_only = script.forward_only
+    monkeypatch.setattr(script, "forward_only", lambda *a, **k: passes.append(1) or forward_only(*a, **k))
+    with torch.no_grad():
+        current = [forward_logprobs(policy.model.module, pack_groups([g]), layout="replicated")[0] for g in groups]
+    stats = script.policy_update_step(policy, groups, script.LOSSES["grpo"], 64, "packed", rollout_logprobs=rollout)
+    assert passes == [] and stats.rollout_mismatch is None
+    want = torch.cat([torch.exp(c + 5.0) for group in current for c in group]).mean().item()
+    assert stats.updates[0].ratio == pytest.approx(want, rel=1e-5)
+    assert stats.entropy is not None  # from the update itself
+    tis = dataclasses.replace(script.LOSSES["grpo"], tis_cap=2.0)
+    stats = script.policy_update_step(policy, groups, tis, 64, "packed", rollout_logprobs=rollout)
+    assert passes == [1] and stats.rollout_mismatch > 0 and stats.updates[0].ratio == pytest.approx(1.0, abs=1e-6)

@@ -7,14 +7,15 @@ parameters into full tensors, loads them into a model of one process and runs th
 unpadded micro-batches: the per-response log-probs, entropies, losses and metrics that every rank
 returns, and the gradients of every full parameter, must match; so must forward_logprobs on the
 packed layout, and on the replicated layout where Megatron's attention runs it (no CP). Runs with
-activation recompute are compared with a reference built without it.
+activation recompute are compared with a reference built without it. Two PPO mini-batches on two
+data-parallel ranks end with the parameters of one process.
 """
 from collections import defaultdict
 
 import pytest
 import torch
 
-from distributed_worker import LOSS, PARALLEL_RUNS, launch, micro_batches
+from distributed_worker import LOSS, PARALLEL_RUNS, launch, micro_batches, ppo_run
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import build_model
 from megatron_dualkv.models.family import VOCAB_TENSORS
@@ -23,7 +24,7 @@ from rollouts import max_abs_diff
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU")
 
-TWO_RANK_RUNS = [name for name, run in PARALLEL_RUNS.items() if run.world == 2]
+TWO_RANK_RUNS = [name for name, run in PARALLEL_RUNS.items() if run.world == 2] + ["ppo_dp2"]
 FOUR_RANK_RUNS = [name for name, run in PARALLEL_RUNS.items() if run.world == 4]
 
 
@@ -37,9 +38,22 @@ def four_rank_results(tmp_path_factory):
     return launch(FOUR_RANK_RUNS, 4, tmp_path_factory.mktemp("four_ranks"))
 
 
-@pytest.mark.parametrize("name", TWO_RANK_RUNS)
+@pytest.mark.parametrize("name", [name for name in TWO_RANK_RUNS if name in PARALLEL_RUNS])
 def test_two_ranks_match_one_process(two_rank_results, name):
     check_against_one_process(name, two_rank_results[name])
+
+
+def test_ppo_mini_batches_on_two_data_parallel_ranks_match_one_process(two_rank_results):
+    """Each mini-batch's loss normaliser counts both ranks' responses, and a padding micro-batch
+    adds nothing (not even to the KL term): two optimizer steps at dp=2 are those of one process."""
+    ranks = two_rank_results["ppo_dp2"]
+    assert [r["padding"] for r in ranks] == [[[False], [False]], [[False], [True]]]
+    want = ppo_run()
+    assert want["padding"] == [[False], [False]]
+    for rank, result in enumerate(ranks):
+        assert result["parameters"].keys() == want["parameters"].keys()
+        for n, value in want["parameters"].items():
+            torch.testing.assert_close(result["parameters"][n], value, rtol=1e-5, atol=1e-6, msg=f"{n} on rank {rank}")
 
 
 @pytest.mark.slow

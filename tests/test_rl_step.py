@@ -5,7 +5,8 @@ import torch
 
 from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import DAPOLoss, GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs
-from rollouts import max_abs_diff, rl_micro_batches
+from megatron_dualkv import PlannedMicroBatch
+from rollouts import max_abs_diff, perturbed, rl_micro_batches
 
 SHAPES = [
     [(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1])],
@@ -82,6 +83,38 @@ def test_given_advantages_replace_the_rewards(model):
     model.zero_grad(set_to_none=True)
 
 
+def test_padding_micro_batches_add_no_loss_and_no_gradient(model):
+    """A padding micro-batch (a plan's dummy) needs no log-probs and adds exactly nothing, even to a
+    KL term: the schedule's mean over two micro-batches is half the real one's gradient."""
+    mb = rl_micro_batches(model, SHAPES)[0]
+    loss_fn = GRPOLoss(clip_eps=0.2, kl_coef=0.1)
+    _, alone = run(model, [mb], loss_fn, "packed")
+    padding = RLMicroBatch(PlannedMicroBatch((), (), (), torch.zeros(0, dtype=torch.long), 0, 0.0).pack(8), is_padding=True)
+    outputs, with_padding = run(model, [mb, padding], loss_fn, "packed")
+    assert outputs[1].loss.item() == 0.0 and set(outputs[1].metrics) == {"entropy"}
+    for name, grad in alone.items():
+        torch.testing.assert_close(with_padding[name], grad / 2, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_rollout_logprobs_reach_the_loss(model):
+    """RLMicroBatch.rollout_logprobs: the loss's rollout mismatch and truncated importance weights,
+    as a direct call of the loss on forward_logprobs computes them."""
+    mb = rl_micro_batches(model, SHAPES)[0]
+    rollout = perturbed(mb.old_logprobs, 0.2, seed=3)
+    loss_fn = GRPOLoss(clip_eps=0.2, kl_coef=0.05, tis_cap=1.1)
+    (out,), _ = run(model, [RLMicroBatch(mb.batch, mb.old_logprobs, mb.ref_logprobs, rollout_logprobs=rollout)], loss_fn, "packed")
+    tokens = ResponseTokens.from_layout(mb.batch.layout)
+    with torch.no_grad():
+        want = loss_fn(tokens.flatten(forward_logprobs(model, mb.batch)), tokens.flatten(mb.old_logprobs),
+                       loss_fn.advantages(mb.batch.rewards), tokens, tokens.flatten(mb.ref_logprobs), tokens.flatten(rollout))
+    torch.testing.assert_close(out.loss, want.loss)
+    gap = (tokens.flatten(mb.old_logprobs) - tokens.flatten(rollout)).abs()
+    torch.testing.assert_close(torch.cat(out.metrics["rollout_mismatch"]), tokens.response_mean(gap))
+    with pytest.raises(ValueError, match=r"tis_cap=1.1 \(truncated importance sampling\) needs rollout_logprobs"):
+        forward_backward(model, [mb], loss_fn)
+    model.zero_grad(set_to_none=True)
+
+
 def test_bad_input(model):
     mb = rl_micro_batches(model, SHAPES)[0]
     with pytest.raises(ValueError, match="needs the micro-batch's old_logprobs"):
@@ -89,6 +122,8 @@ def test_bad_input(model):
     other = rl_micro_batches(model, SHAPES)[1]
     with pytest.raises(ValueError, match="old_logprobs: group 0 has 1 responses, the batch has 3"):
         forward_backward(model, [RLMicroBatch(mb.batch, other.old_logprobs)], GRPOLoss())
+    with pytest.raises(ValueError, match="rollout_logprobs: group 0 has 1 responses, the batch has 3"):
+        forward_backward(model, [RLMicroBatch(mb.batch, mb.old_logprobs, rollout_logprobs=other.old_logprobs)], GRPOLoss())
     with pytest.raises(ValueError, match="needs ref_logprobs"):
         forward_backward(model, [RLMicroBatch(mb.batch, mb.old_logprobs)], GRPOLoss(kl_coef=0.1))
     with pytest.raises(ValueError, match="micro-batches must be RLMicroBatch items, got PackedBatch"):

@@ -6,7 +6,7 @@ Checkpoints (``checkpoint.py``): Hugging Face folders <-> Megatron ``dist_checkp
 ``load_model`` / ``save_model`` at any parallel sizes; ``export_hf_weights`` streams a live model's
 weights under their Hugging Face names (``hf_export.py``).
 """
-from .builder import FAMILIES, build_model, build_transformer_config
+from .builder import FAMILIES, architecture_differences, build_model, build_transformer_config
 from .cards import ModelCard, available_cards, load_card
 from .checkpoint import checkpoint_card, hf_to_megatron, load_model, megatron_to_hf, save_model
 from .family import ModelFamily, StateDictMapping, TensorMapping, load_megatron_state_dict
@@ -18,6 +18,7 @@ __all__ = [
     "ModelFamily",
     "StateDictMapping",
     "TensorMapping",
+    "architecture_differences",
     "available_cards",
     "build_model",
     "build_transformer_config",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,22 @@ def family_of(card: ModelCard) -> ModelFamily:
     if family is None:
         raise ValueError(f"model card {card.name!r}: unsupported model_type {card.model_type!r}; supported: {sorted(FAMILIES)}")
     return family
+
+
+def architecture_differences(card: Union[str, os.PathLike, ModelCard], other: Union[str, os.PathLike, ModelCard]
+                             ) -> Dict[str, Tuple[Any, Any]]:
+    """The settings in which the models of two cards differ: name -> (this card's, the other's),
+    over the model type and what the family makes of a card (``TransformerConfig`` architecture
+    fields, ``GPTModel`` arguments: vocabulary, positions, ...); {} for the same architecture.
+    Parallelism and the parameter dtype are not architecture."""
+    mine, theirs = _architecture(load_card(card)), _architecture(load_card(other))
+    return {name: (mine.get(name), theirs.get(name)) for name in sorted(mine.keys() | theirs.keys())
+            if mine.get(name) != theirs.get(name)}
+
+
+def _architecture(card: ModelCard) -> Dict[str, Any]:
+    family = family_of(card)
+    return {"model_type": card.model_type, **family.transformer_config_kwargs(card), **family.gpt_model_kwargs(card)}
 
 
 def build_model(

@@ -1,14 +1,17 @@
-"""RL on the packed layout: per-token log-probs (vocab-parallel), GRPO/DAPO losses, and
+"""RL on the packed layout: per-token log-probs (vocab-parallel), GRPO/DAPO losses,
 ``forward_backward``, the entry point for Megatron-based RL loops (README: "Embedding in a
-Megatron RL loop")."""
+Megatron RL loop"), and PPO mini-batches and epochs over it (``ppo``)."""
 from .logprobs import response_logprobs, vocab_parallel_logprobs
 from .losses import DAPOLoss, GRPOLoss, PolicyLoss, PolicyLossOutput, clipped_policy_loss, group_normalized_advantages
+from .ppo import MiniBatch, PPOUpdate, forward_only, plan_mini_batches, ppo_updates
 from .responses import ResponseTokens
 from .step import RLMicroBatch, RLStepOutput, forward_backward, forward_logprobs, rl_forward_step
 
 __all__ = [
     "DAPOLoss",
     "GRPOLoss",
+    "MiniBatch",
+    "PPOUpdate",
     "PolicyLoss",
     "PolicyLossOutput",
     "RLMicroBatch",
@@ -17,7 +20,10 @@ __all__ = [
     "clipped_policy_loss",
     "forward_backward",
     "forward_logprobs",
+    "forward_only",
     "group_normalized_advantages",
+    "plan_mini_batches",
+    "ppo_updates",
     "response_logprobs",
     "rl_forward_step",
     "vocab_parallel_logprobs",

@@ -33,15 +33,21 @@ from .responses import ResponseTokens
 class RLMicroBatch:
     """One packed micro-batch and what the policy loss needs besides the current log-probs.
 
-    old_logprobs / ref_logprobs: per group, per response (R_i,) tensors, as ``forward_logprobs``
-    returns them (behaviour policy, and reference policy for a KL term). advantages: (num_responses,)
-    flat over responses; by default the loss derives them from ``batch.rewards``.
+    old_logprobs / ref_logprobs / rollout_logprobs: per group, per response (R_i,) tensors, as
+    ``forward_logprobs`` returns them (behaviour policy; reference policy, for a KL term; the
+    inference engine's log-probs of the sampled tokens, for the loss's rollout correction).
+    advantages: (num_responses,) flat over responses; by default the loss derives them from
+    ``batch.rewards``. is_padding: a padding micro-batch of a plan (``PlannedMicroBatch.is_padding``,
+    run so that every rank runs as many micro-batches): its loss is exactly 0, with no gradient,
+    and needs none of the above.
     """
 
     batch: PackedBatch
     old_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
     ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
     advantages: Optional[Tensor] = None
+    rollout_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
+    is_padding: bool = False
 
 
 @dataclass
@@ -199,18 +205,24 @@ def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_en
         output.metrics["entropy"] = tokens.split_groups(tokens.response_mean(entropy.detach()))
     if loss_fn is None:
         return logprobs.new_zeros(()), output
+    if micro_batch.is_padding:  # in the graph, so that the schedule's backward runs as for any micro-batch
+        output.loss = logprobs.new_zeros(())
+        return logprobs.sum() * 0.0, output
     if micro_batch.old_logprobs is None:
         raise ValueError("a policy loss needs the micro-batch's old_logprobs (forward_logprobs of the behaviour policy)")
     advantages = micro_batch.advantages
     if advantages is None:
         advantages = loss_fn.advantages(micro_batch.batch.rewards)
-    ref = micro_batch.ref_logprobs
+    ref, rollout = micro_batch.ref_logprobs, micro_batch.rollout_logprobs
+    # rollout log-probs only where given: a PolicyLoss without rollout correction need not take them
+    extra = {} if rollout is None else {"rollout_logprobs": tokens.flatten(rollout, "rollout_logprobs")}
     result = loss_fn(
         logprobs,
         tokens.flatten(micro_batch.old_logprobs, "old_logprobs"),
         advantages,
         tokens,
         None if ref is None else tokens.flatten(ref, "ref_logprobs"),
+        **extra,
     )
     # A copy: Megatron's schedule scales the returned loss in place.
     output.loss = result.loss.detach().clone()

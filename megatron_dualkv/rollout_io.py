@@ -1,0 +1,225 @@
+"""Rollout files: JSONL, one group a line, and the tokenizers that turn text rollouts into token ids.
+
+    {"prompt": ..., "responses": [...], "rewards": [...], "logprobs": [[...], ...]}
+
+* ``prompt``: token ids, text, or chat messages ``[{"role": "user", "content": "..."}, ...]``,
+  rendered with the tokenizer's chat template (``apply_chat_template(...,
+  add_generation_prompt=True)``); ``responses``: token ids, or text with a text or chat prompt;
+  ``rewards``: one number per response.
+* ``logprobs`` (optional, in every line or in none): per response, the inference engine's
+  log-prob of each of its tokens, as many as the response has after tokenization (with the EOS
+  that a text response gets).
+* Text is tokenized by ``load_tokenizer(path)``: a SentencePiece model file (prompt: BOS + text,
+  response: text + EOS, as a finished sample ends); or a Hugging Face tokenizer, a
+  ``tokenizer.json`` file or a model folder (transformers' ``AutoTokenizer``; a prompt gets the
+  special tokens of the tokenizer's own convention, a response the EOS token, which a bare
+  ``tokenizer.json`` does not name: pass the folder for it and for a chat template).
+
+Every error is a ``RolloutFileError`` naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .packing import RolloutGroup
+
+SENTENCEPIECE_SUFFIX = ".model"
+
+
+class RolloutFileError(ValueError):
+    """A rollout file or tokenizer that cannot be read: the message names the file (and line)."""
+
+
+@dataclass
+class Rollouts:
+    """A rollout file's groups and, when its lines have them, the inference engine's log-probs
+    (per group, per response, an (R,) float32 tensor)."""
+
+    groups: List[RolloutGroup]
+    logprobs: Optional[List[List[Tensor]]] = None
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model: prompts get BOS, responses EOS (where the model defines them)."""
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+
+        self._model = spm.SentencePieceProcessor(model_file=str(path))
+        self.size = self._model.get_piece_size()
+
+    def prompt_ids(self, text: str) -> List[int]:
+        return _ids_if_defined(self._model.bos_id()) + self._model.encode(text)
+
+    def response_ids(self, text: str) -> List[int]:
+        return self._model.encode(text) + _ids_if_defined(self._model.eos_id())
+
+    def chat_prompt_ids(self, messages: List[dict]) -> List[int]:
+        raise RolloutFileError("chat prompts need a Hugging Face tokenizer with a chat template; "
+                               "this is a SentencePiece model")
+
+
+class HuggingFaceTokenizer:
+    """A transformers tokenizer: a prompt gets its special tokens, a response the EOS token."""
+
+    def __init__(self, tokenizer, source: Path):
+        self._tokenizer, self._source = tokenizer, source
+        self.size = len(tokenizer)
+
+    def prompt_ids(self, text: str) -> List[int]:
+        return self._tokenizer(text, add_special_tokens=True).input_ids
+
+    def response_ids(self, text: str) -> List[int]:
+        return self._tokenizer(text, add_special_tokens=False).input_ids + _ids_if_defined(self._tokenizer.eos_token_id)
+
+    def chat_prompt_ids(self, messages: List[dict]) -> List[int]:
+        if not self._tokenizer.chat_template:
+            raise RolloutFileError(f"chat prompts need a chat template, and the tokenizer {self._source} has none "
+                                   "(pass the model folder whose tokenizer_config.json has one)")
+        # the template writes the special tokens itself
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tokenizer(text, add_special_tokens=False).input_ids
+
+
+def load_tokenizer(path, vocab_size: int):
+    """The tokenizer at ``path`` (module docstring); RolloutFileError when it is missing, unreadable
+    or larger than the model's vocabulary."""
+    path = Path(path)
+    if not path.exists():
+        raise RolloutFileError(f"tokenizer not found: {path}")
+    if path.is_file() and path.suffix == SENTENCEPIECE_SUFFIX:
+        tokenizer = SentencePieceTokenizer(path)
+    else:
+        tokenizer = HuggingFaceTokenizer(_transformers_tokenizer(path), path)
+    if tokenizer.size > vocab_size:
+        raise RolloutFileError(f"tokenizer {path} has {tokenizer.size} pieces, "
+                               f"more than the model's vocab_size {vocab_size}")
+    return tokenizer
+
+
+def _transformers_tokenizer(path: Path):
+    try:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    except ImportError:
+        raise RolloutFileError(f"the Hugging Face tokenizer {path} needs transformers: pip install transformers") from None
+    try:
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path))
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a folder or file it cannot read
+        raise RolloutFileError(f"tokenizer {path}: not a SentencePiece .model, tokenizer.json or tokenizer folder "
+                               f"({type(err).__name__}: {err})") from None
+
+
+def read_rollouts(path, vocab_size: int, tokenizer_path=None) -> Rollouts:
+    """The ``Rollouts`` of the JSONL file at ``path`` (module docstring); token ids must lie in
+    the model's vocabulary. The tokenizer is loaded at the first text line."""
+    path = Path(path)
+    if not path.is_file():
+        raise RolloutFileError(f"rollouts file not found: {path}")
+    loaded = []
+
+    def tokenizer(where: str):
+        if not loaded:
+            if tokenizer_path is None:
+                raise RolloutFileError(f"{where}: text rollouts need a tokenizer (--tokenizer)")
+            loaded.append(load_tokenizer(tokenizer_path, vocab_size))
+        return loaded[0]
+
+    groups, logprobs, with_logprobs = [], [], None
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        record = _record(line, where)
+        prompt, responses = _token_ids(tokenizer, record["prompt"], record["responses"], where)
+        for what, ids in (("prompt", prompt), *((f"response {i}", r) for i, r in enumerate(responses))):
+            _check_token_ids(ids, vocab_size, f"{where}: {what}")
+        if with_logprobs is None:
+            with_logprobs = "logprobs" in record
+        if with_logprobs != ("logprobs" in record):
+            first, this = ("has", "lacks") if with_logprobs else ("lacks", "has")
+            raise RolloutFileError(f"{where}: 'logprobs' must be in every line or in none: "
+                                   f"the first line {first} them, this one {this}")
+        if with_logprobs:
+            logprobs.append(_logprobs(record["logprobs"], responses, where))
+        groups.append(RolloutGroup(prompt, responses, [float(r) for r in record["rewards"]]))
+    if not groups:
+        raise RolloutFileError(f"{path}: no rollout groups")
+    return Rollouts(groups, logprobs if with_logprobs else None)
+
+
+def _record(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise RolloutFileError(f"{where}: not valid JSON ({err.msg})") from None
+    if not isinstance(record, dict) or not {"prompt", "responses", "rewards"} <= record.keys():
+        raise RolloutFileError(f"{where}: expected an object with 'prompt', 'responses' and 'rewards'")
+    responses, rewards = record["responses"], record["rewards"]
+    if not isinstance(responses, list) or not responses:
+        raise RolloutFileError(f"{where}: 'responses' must be a non-empty list")
+    if not isinstance(rewards, list) or len(rewards) != len(responses) or not all(_is_number(r) for r in rewards):
+        raise RolloutFileError(f"{where}: 'rewards' must be a list of {len(responses)} numbers, one per response")
+    return record
+
+
+def _token_ids(tokenizer, prompt, responses: list, where: str):
+    """(prompt ids, response ids): token-id lists as they are, text and chat through ``tokenizer(where)``."""
+    if isinstance(prompt, str) or _is_chat(prompt):
+        if not all(isinstance(r, str) for r in responses):
+            raise RolloutFileError(f"{where}: a text or chat prompt needs text responses")
+        text = tokenizer(where)
+        try:
+            prompt_ids = text.prompt_ids(prompt) if isinstance(prompt, str) else text.chat_prompt_ids(prompt)
+        except RolloutFileError as err:
+            raise RolloutFileError(f"{where}: {err}") from None
+        return prompt_ids, [text.response_ids(r) for r in responses]
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        raise RolloutFileError(f"{where}: chat messages must be objects with 'role' and 'content' strings")
+    return prompt, responses
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    )
+
+
+def _logprobs(values, responses: Sequence[Sequence[int]], where: str) -> List[Tensor]:
+    if not isinstance(values, list) or len(values) != len(responses):
+        raise RolloutFileError(f"{where}: 'logprobs' must be a list of {len(responses)} lists, one per response")
+    out = []
+    for i, (lp, ids) in enumerate(zip(values, responses)):
+        if not isinstance(lp, list) or len(lp) != len(ids):
+            count = f"{len(lp)} values" if isinstance(lp, list) else type(lp).__name__
+            raise RolloutFileError(f"{where}: 'logprobs' of response {i} has {count}, the response has {len(ids)} tokens")
+        if not all(_is_number(x) and math.isfinite(x) and x <= 0 for x in lp):
+            raise RolloutFileError(f"{where}: 'logprobs' of response {i} must be finite numbers <= 0 (log-probabilities)")
+        out.append(torch.tensor(lp, dtype=torch.float32))
+    return out
+
+
+def _ids_if_defined(token_id: Optional[int]) -> List[int]:
+    return [] if token_id is None or token_id < 0 else [token_id]
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_token_ids(ids, vocab_size: int, where: str) -> None:
+    if not isinstance(ids, list) or not ids:
+        raise RolloutFileError(f"{where}: expected a non-empty list of token ids (or text)")
+    for x in ids:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise RolloutFileError(f"{where}: token ids must be integers, got {x!r}")
+        if not 0 <= x < vocab_size:
+            raise RolloutFileError(f"{where}: token id {x} is outside the model's vocabulary (vocab_size {vocab_size})")
