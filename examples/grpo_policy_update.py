@@ -472,8 +472,10 @@ def _margin_sums(minis: List[MiniBatch]) -> List[float]:
 
 
 def _forward_flops(cost: CostModel, minis: List[MiniBatch], layout: str) -> float:
-    """Forward FLOPs of this rank's real micro-batches of every mini-batch (one pass over the rollout batch)."""
-    return sum(cost.layout_flops(mb.batch.layout if layout == "packed" else mb.batch.replicated().layout)
+    """Forward FLOPs of this rank's real micro-batches of every mini-batch (one pass over the rollout batch),
+    the output layer on the rows that predict a response token only, as the log-probs compute it."""
+    return sum(cost.layout_flops(mb.batch.layout if layout == "packed" else mb.batch.replicated().layout,
+                                 predicting_rows=sum(map(sum, mb.batch.layout.response_lens)))
                for mini in minis for mb in mini.micro_batches if not mb.is_padding)
 
 
