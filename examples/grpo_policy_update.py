@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -59,9 +60,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from tqdm import tqdm
 
 from megatron_dualkv import CostModel, RolloutGroup
-from megatron_dualkv.mcore import use_fused_adam
+from megatron_dualkv.mcore import ParallelSizes, use_fused_adam
 from megatron_dualkv.mcore.parallel import current_parallel_sizes
+from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget
 from megatron_dualkv.models import architecture_differences, build_model, checkpoint_card, load_card, load_model
+from megatron_dualkv.models.builder import param_dtype
 from megatron_dualkv.rl import (
     DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
     ppo_updates,
@@ -72,6 +75,7 @@ from megatron_dualkv.run_log import RunLog
 DATA = Path(__file__).resolve().parent / "data"
 LOSSES = {"grpo": GRPOLoss(), "dapo": DAPOLoss()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+AUTO = "auto"  # --recompute and --max-tokens: chosen by the memory model
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's name for the last saved step
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 # OptimizerParamScheduler.state_dict() fields -> the flags that set them (the other fields follow from these)
@@ -95,10 +99,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     group.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses)")
     group.add_argument("--layout", choices=["packed", "replicated"], default="packed")
-    group.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                       help="activation recompute (build_model's recompute)")
+    group.add_argument("--recompute", choices=["none", "selective", "full", "auto"], default="none",
+                       help="activation recompute (build_model's recompute); auto: the least that fits the GPU "
+                            "(megatron_dualkv.memory)")
     group.add_argument("--recompute-layers", type=int, default=None,
                        help="also recompute the first N layers of every pipeline stage whole")
+    group.add_argument("--memory-margin", type=float, default=DEFAULT_MARGIN,
+                       help="share of the GPU's memory that --recompute auto and --max-tokens auto leave free")
     group = parser.add_argument_group("data")
     group.add_argument("--rollouts", type=Path, default=DATA / "rollouts.jsonl",
                        help="JSONL, one group a line: {prompt, responses, rewards[, logprobs]}; token ids, or text "
@@ -106,7 +113,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--tokenizer", type=Path, default=DATA / "tokenizer.model",
                        help="for text rollouts: a SentencePiece .model, a Hugging Face tokenizer.json or model folder")
     group.add_argument("--global-batch-size", type=int, default=8, help="rollout groups per step, all DP ranks together")
-    group.add_argument("--max-tokens", type=int, default=1024, help="micro-batch token budget (packed tokens)")
+    group.add_argument("--max-tokens", type=_tokens_or_auto, default=1024,
+                       help="micro-batch token budget (packed tokens); auto: the most that fit the GPU (the whole "
+                            "largest group when --recompute is auto too, with the least recompute that holds it)")
     group = parser.add_argument_group("policy loss and updates")
     group.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
     group.add_argument("--mini-batches", type=int, default=1,
@@ -149,8 +158,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
     """What is wrong with the flags on their own (before the model and files are read)."""
     for name in ("global_batch_size", "max_tokens", "steps", "mini_batches", "ppo_epochs"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) != AUTO and getattr(args, name) < 1:
             yield f"--{name.replace('_', '-')} must be >= 1"
+    if AUTO in (args.recompute, args.max_tokens) and args.layout != "packed":
+        yield "--recompute auto and --max-tokens auto size packed micro-batches; pass both for --layout replicated"
+    if args.recompute == AUTO and args.recompute_layers is not None:
+        yield "--recompute-layers is --recompute auto's to choose: pass one or the other"
+    if not 0 <= args.memory_margin < 1:
+        yield f"--memory-margin must be in [0, 1), got {args.memory_margin}"
     if args.global_batch_size % args.mini_batches:
         yield (f"--global-batch-size {args.global_batch_size} does not split into --mini-batches {args.mini_batches} "
                "of equal size")
@@ -171,6 +186,10 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
         yield f"--lr-decay-steps ({args.lr_decay_steps}) must be larger than --lr-warmup-steps ({args.lr_warmup_steps}) >= 0"
     if not args.rollouts.is_file():
         yield f"--rollouts: file not found: {args.rollouts}"
+
+
+def _tokens_or_auto(text: str):
+    return AUTO if text == AUTO else int(text)
 
 
 # --------------------------------------------------------------------------------------- rollouts
@@ -200,6 +219,40 @@ class Policy:
     card: str
     vocab_size: int
     token_multiple: int
+
+
+def fit_to_memory(args: argparse.Namespace, groups: List[RolloutGroup]) -> Optional[Fit]:
+    """Resolve --recompute auto and --max-tokens auto in ``args`` with the memory model (None when neither
+    is auto): the least recompute under which a micro-batch holds the largest rollout group whole (else
+    the longest prompt plus response), and the most packed tokens that setting fits."""
+    if AUTO not in (args.recompute, args.max_tokens):
+        return None
+    if not torch.cuda.is_available():
+        raise InputError("--recompute auto and --max-tokens auto fit the micro-batch to the GPU's memory: they need CUDA")
+    card = checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
+                                  dp=max(1, world // sizes.model_ranks), distributed_optimizer=args.use_distributed_optimizer,
+                                  ref_model=args.ref_load is not None)
+    whole = max(len(g.prompt) + sum(map(len, g.responses)) for g in groups)
+    longest = max(len(g.prompt) + max(map(len, g.responses)) for g in groups)
+    responses = sum(sum(map(len, g.responses)) for g in groups) / sum(len(g.prompt) + sum(map(len, g.responses)) for g in groups)
+    setting = {} if args.recompute == AUTO else dict(recompute=args.recompute, recompute_layers=args.recompute_layers)
+    budget = device_budget(margin=args.memory_margin)
+    fits = (whole, longest) if args.max_tokens == AUTO else (args.max_tokens,)
+    for need in fits:
+        try:
+            fit = memory.fit(budget, need, responses, multiple=sizes.token_multiple, **setting)
+            break
+        except ValueError as err:
+            problem = err
+    else:
+        raise InputError(str(problem))
+    args.recompute, args.recompute_layers = fit.recompute, fit.recompute_layers
+    if args.max_tokens == AUTO:
+        args.max_tokens = fit.tokens
+    return fit
 
 
 def build_policy(args: argparse.Namespace) -> Policy:
@@ -646,9 +699,11 @@ def _check_same_schedule(saved: dict, ours: dict, directory: Path) -> None:
 # ------------------------------------------------------------------------------------------- main
 def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
+    card = checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    rollouts = read_run_rollouts(args, card.config["vocab_size"])
+    fit = fit_to_memory(args, rollouts.groups)
     policy = build_policy(args)
     reference = build_reference(args)
-    rollouts = read_run_rollouts(args, policy.vocab_size)
     start = load_checkpoint(args.load, policy) if args.load else 0
     rank0 = dist.get_rank() == 0
     peak = args.peak_tflops if args.peak_tflops is not None else (measure_matmul_tflops() if torch.cuda.is_available() else None)
@@ -663,6 +718,9 @@ def train(args: argparse.Namespace) -> None:
               + (f" | reference {args.ref_load}" if reference is not None else "")
               + (f" | resumed at step {start}" if start else "")
               + ("" if peak is None else f" | peak {peak:.0f} TFLOP/s"), flush=True)
+        if fit is not None:
+            print(f"memory: {fit.describe()}, within {device_budget(margin=args.memory_margin) / 2**30:.1f} GiB "
+                  f"(the GPU less {100 * args.memory_margin:.0f}%)", flush=True)
     if start >= args.steps and rank0:
         print(f"the checkpoint is at step {start}: nothing to run up to --steps {args.steps}")
     log = RunLog(args.tensorboard_dir, args.log_jsonl) if rank0 else None

@@ -132,7 +132,7 @@ def build_model(
     use_foreach_multi_tensor_ops()
     overrides = _with_recompute(overrides, recompute, recompute_layers)
     _refuse_te_only_recompute(overrides)
-    config = build_transformer_config(card, family, sizes, _param_dtype(card, dtype), use_transformer_engine, overrides)
+    config = build_transformer_config(card, family, sizes, param_dtype(card, dtype), use_transformer_engine, overrides)
     check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
     vocab_size = model_kwargs["vocab_size"]
@@ -277,7 +277,8 @@ def _legacy_grouped_gemm_available() -> bool:
     return grouped_gemm_util.grouped_gemm_is_available()
 
 
-def _param_dtype(card: ModelCard, dtype: Optional[torch.dtype]) -> torch.dtype:
+def param_dtype(card: ModelCard, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """``dtype``, checked, or else the card's ``torch_dtype`` (float32 when it names none)."""
     if dtype is not None:
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {list(_DTYPES.values())}, got {dtype}")

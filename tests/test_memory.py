@@ -1,0 +1,119 @@
+"""The memory model (megatron_dualkv.memory) against the models it describes: parameter counts of
+built models, the bytes selective recompute releases as measured by autograd's hooks, the
+pipeline split, and the choice of recompute and micro-batch. Its peaks are checked against the
+H200 by tools/bench_policy_update.py --full-depth (docs/performance.md)."""
+import pytest
+import torch
+
+from megatron_dualkv.mcore import ParallelSizes
+from megatron_dualkv.memory import (
+    GIB, MemoryModel, layer_activation_bytes, layer_modes, rank_parameters, stage_layers,
+)
+from megatron_dualkv.models import build_model
+from rollouts import make_batch
+from saved_tensors import saved_tensors
+
+TINY_CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny"]
+
+
+@pytest.mark.parametrize("card", TINY_CARDS)
+def test_parameter_counts_are_those_of_the_built_model(card):
+    """Every family: attention with QK norms, MoE experts and router, Gemma's extra norms and its
+    full-attention layers' own heads, keys as values, tied embeddings, the padded vocabulary."""
+    model = build_model(card, make_vocab_size_divisible_by=48)
+    memory = MemoryModel.for_card(card, dtype=torch.float32, make_vocab_size_divisible_by=48)
+    assert memory.vocab_size == model.vocab_size
+    counts = rank_parameters(memory.config, memory.vocab_size, memory.tied, ParallelSizes())
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counts.expert == experts
+
+
+@pytest.mark.parametrize("card", ["qwen3-4b", "gemma3-4b"])
+def test_full_size_cards_count_their_published_parameters(card):
+    """4,022,468,096 (Qwen3-4B, tied) and 3,880,263,168 (Gemma 3 4B's text decoder, whose
+    vocabulary of 262,208 is padded to 262,272 for Megatron)."""
+    memory = MemoryModel.for_card(card, make_vocab_size_divisible_by=1)
+    total = rank_parameters(memory.config, memory.vocab_size, memory.tied, ParallelSizes()).total
+    assert total == {"qwen3-4b": 4_022_468_096, "gemma3-4b": 3_880_263_168}[card]
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp", [(62, 4, None), (60, 8, None), (36, 5, None), (8, 2, 2)])
+def test_pipeline_stages_hold_every_layer_once(num_layers, pp, vpp):
+    """Megatron's split, uneven stages included; a tied embedding has its copy on the last stage."""
+    sizes = ParallelSizes(pp=pp, vpp=vpp)
+    memory = MemoryModel.for_card("gemma3-27b", sizes, num_layers=num_layers)
+    layers = [n for rank in range(pp) for vp in ([None] if vpp is None else range(vpp))
+              for n in stage_layers(memory.config, rank, vp)]
+    assert sorted(layers) == list(range(1, num_layers + 1))
+    single = MemoryModel.for_card("gemma3-27b", num_layers=num_layers)
+    one_rank = rank_parameters(single.config, single.vocab_size, single.tied, ParallelSizes()).total
+    per_stage = sum(rank_parameters(memory.config, memory.vocab_size, memory.tied, sizes, r).total for r in range(pp))
+    assert per_stage == one_rank + memory.vocab_size * memory.config.hidden_size
+
+
+@pytest.mark.parametrize("card", ["qwen3-tiny", "gemma3-tiny", "gemma4-tiny"])
+def test_selective_recompute_releases_what_the_model_drops(card):
+    """Measured by autograd's saved-tensor hooks on the CPU (float32): the bytes that selective
+    recompute frees after their consumers saved them are the model's "selective" entries."""
+    batch = make_batch([(40, [30, 20, 30])], pad_to_multiple_of=8)
+    model = build_model(card, recompute="selective")
+    config = model.config
+    released = saved_tensors(model, batch).released
+    sizes = ParallelSizes()
+    freed = sum(layer_activation_bytes(config, n, sizes, "none") - layer_activation_bytes(config, n, sizes, "selective")
+                for n in range(1, config.num_layers + 1))
+    assert released == pytest.approx(freed * batch.num_tokens, rel=0.01)  # the model leaves the norms' rstd to them
+
+
+def test_recompute_modes_order_the_memory():
+    memory = MemoryModel.for_card("qwen3-4b")
+    peaks = [memory.predict(24576, 16384, mode, layers).total for mode, layers in memory.recompute_ladder()]
+    assert peaks == sorted(peaks, reverse=True)
+    assert layer_modes("selective", 2, [5, 6, 7]) == ["full", "full", "selective"]
+    assert layer_modes("full", 1, [5, 6]) == ["full", "none"]
+
+
+def test_fit_picks_the_least_recompute_and_the_most_tokens():
+    memory = MemoryModel.for_card("qwen3-4b")
+    tokens = 24576
+    none, selective = (memory.predict(tokens, tokens, mode).total for mode in ("none", "selective"))
+    fit = memory.fit((none + selective) / 2, tokens)
+    assert (fit.recompute, fit.recompute_layers) == ("selective", None)
+    assert fit.tokens >= tokens and memory.predict(fit.tokens, fit.tokens, "selective").total <= (none + selective) / 2
+    assert memory.predict(fit.tokens + 64, fit.tokens + 64, "selective").total > (none + selective) / 2
+    roomy = memory.fit(2 * none, tokens, multiple=64)
+    assert (roomy.recompute, roomy.tokens % 64) == ("none", 0)
+    pinned = memory.fit(2 * none, 1024, recompute="full")
+    assert pinned.recompute == "full" and pinned.tokens > 10 * tokens
+    with pytest.raises(ValueError, match=r"needs more than the memory budget of 50\.0 GiB"):
+        memory.fit(50 * GIB, tokens)  # the weights and Adam alone take 67.5 GiB
+
+
+def test_pipeline_ranks_hold_the_micro_batches_in_flight():
+    """1F1B: the first of 4 stages runs 4 forwards before its first backward; the last one 1."""
+    memory = MemoryModel.for_card("qwen3-4b", ParallelSizes(pp=4))
+    assert [memory.in_flight_micro_batches(8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert memory.in_flight_micro_batches(2, 0) == 2
+    first, last = (memory.predict(8192, 4096, num_micro_batches=8, pp_rank=r) for r in (0, 3))
+    assert first.parts["activations"] > 3 * last.parts["activations"]
+    assert memory.peak(8192, 4096, num_micro_batches=8).total == max(
+        memory.predict(8192, 4096, num_micro_batches=8, pp_rank=r).total for r in range(4))
+
+
+def test_tensor_and_context_parallelism_split_the_activations():
+    one = MemoryModel.for_card("qwen3-4b")
+    split = MemoryModel.for_card("qwen3-4b", ParallelSizes(tp=2, cp=2))
+    tokens = 32768
+    ratio = split.predict(tokens, tokens).parts["activations"] / one.predict(tokens, tokens).parts["activations"]
+    assert ratio == pytest.approx(0.25, rel=0.02)  # the RoPE table is not split by tp
+
+
+def test_bad_settings_name_the_field():
+    memory = MemoryModel.for_card("qwen3-tiny")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        memory.predict(64, recompute="some")
+    with pytest.raises(ValueError, match="recompute_layers"):
+        memory.predict(64, recompute="none", recompute_layers=1)
+    with pytest.raises(ValueError, match="more than the 2 layers of a pipeline stage"):
+        memory.predict(64, recompute="selective", recompute_layers=3)
