@@ -117,3 +117,19 @@ def test_bad_settings_name_the_field():
         memory.predict(64, recompute="none", recompute_layers=1)
     with pytest.raises(ValueError, match="more than the 2 layers of a pipeline stage"):
         memory.predict(64, recompute="selective", recompute_layers=3)
+
+
+def test_the_planning_table_fits_every_layout(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "plan_memory.py"
+    spec = importlib.util.spec_from_file_location("plan_memory", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    budget = 100 * GIB
+    row = tool.plan("qwen3-30b-a3b", "1x2x4x1", 8, (16, 8192, 1024), budget, 8)
+    assert row["layout"] == "tp1 pp2 ep4 cp1 dp4" and row["tokens"] >= 8192 + 16 * 1024
+    assert row["peak"] * GIB <= budget
+    tool.main(["--card", "qwen3-4b", "--layouts", "1x1x1x1", "--gpus", "1"])
+    assert "qwen3-4b" in capsys.readouterr().out

@@ -401,13 +401,14 @@ def run_sustained(workloads, methods, seconds: float, out: str):
 
 
 def write_table(rows, path, columns):
-    """``rows`` as CSV at ``path`` and as a printed table. ``columns``: (key, title, format spec) in
-    order, then an "error" column; a spec with a precision ("8.2f") marks a measured value, and a
-    failed row prints its other columns and the error instead."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, [key for key, _, _ in columns] + ["error"])
-        writer.writeheader()
-        writer.writerows(rows)
+    """``rows`` as CSV at ``path`` (None: no CSV) and as a printed table. ``columns``: (key, title,
+    format spec) in order, then an "error" column; a spec with a precision ("8.2f") marks a measured
+    value, and a failed row prints its other columns and the error instead."""
+    if path is not None:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, [key for key, _, _ in columns] + ["error"])
+            writer.writeheader()
+            writer.writerows(rows)
     labels = [(key, spec) for key, _, spec in columns if "." not in spec]
 
     def aligned(key, title, spec):  # titles align like their values: text left, numbers right
