@@ -51,26 +51,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-import torch
-import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from tqdm import tqdm
+from megatron_dualkv.notices import hide_expected_notices
 
-from megatron_dualkv import CostModel, RolloutGroup
-from megatron_dualkv.mcore import ParallelSizes, use_fused_adam
-from megatron_dualkv.mcore.parallel import current_parallel_sizes
-from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget
-from megatron_dualkv.models import architecture_differences, build_model, checkpoint_card, load_card, load_model
-from megatron_dualkv.models.builder import param_dtype
-from megatron_dualkv.rl import (
+hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megatron_dualkv import CostModel, RolloutGroup  # noqa: E402
+from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
+from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
+from megatron_dualkv.models import architecture_differences, build_model, checkpoint_card, load_card, load_model  # noqa: E402
+from megatron_dualkv.models.builder import param_dtype  # noqa: E402
+from megatron_dualkv.rl import (  # noqa: E402
     DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
     ppo_updates,
 )
-from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, read_rollouts
-from megatron_dualkv.run_log import RunLog
+from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, read_rollouts  # noqa: E402
+from megatron_dualkv.run_log import RunLog  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 LOSSES = {"grpo": GRPOLoss(), "dapo": DAPOLoss()}
@@ -149,6 +153,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help="TensorBoard event folder (Megatron's scalar names)")
     group.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON line per step and per update")
     group.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: measured on GPU)")
+    group.add_argument("--verbose", action="store_true",
+                       help="also show Megatron-Core's notices that Transformer Engine and Apex are not installed and "
+                            "its deprecations (megatron_dualkv.notices)")
     args = parser.parse_args(argv)
     for problem in _flag_problems(args):
         parser.error(problem)

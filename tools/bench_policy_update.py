@@ -45,7 +45,7 @@ import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup  # noqa: E402
 from megatron_dualkv.memory import GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
-from tool_args import comma_names  # noqa: E402
+from tool_args import add_verbose_flag, comma_names  # noqa: E402
 
 WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
 TINY_WORKLOADS = [(4, 96, 24), (8, 96, 12)]
@@ -388,7 +388,8 @@ def model_flags(args, name: str, out: Path) -> List[str]:
     flags = ["--device", args.device, "--dense-layers", str(args.dense_layers), "--moe-layers", str(args.moe_layers),
              "--repeats", str(args.repeats), "--models", name, "--out", str(out)]
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
-    return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth
+    return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
+        "--verbose"] * args.verbose
 
 
 def measure_alone(name: str, args) -> List[Result]:
@@ -420,6 +421,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--update", type=Path, metavar="CSV",
                         help="instead of writing into --out: replace the measured models' rows of this table")
+    add_verbose_flag(parser)  # the launch script, imported above, hid them
     args = parser.parse_args(argv)
     models = model_workloads(args)
     model_names = comma_names(parser, "--models", args.models or ",".join(models), models)

@@ -27,11 +27,16 @@ import sys
 from typing import List, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
+
+hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
+from tool_args import add_verbose_flag  # noqa: E402
 from megatron_dualkv.models import hf_to_megatron, megatron_to_hf  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_verbose_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     to_megatron = commands.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron checkpoint folder")
     to_megatron.add_argument("--hf", required=True, help="Hugging Face checkpoint folder (config.json + safetensors)")

@@ -17,6 +17,10 @@ import sys
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]
+from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
+
+hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
+from tool_args import add_verbose_flag  # noqa: E402
 from bench_attention import write_table  # noqa: E402
 from megatron_dualkv.mcore import ParallelSizes, plan_parallel  # noqa: E402
 from megatron_dualkv.memory import GIB, MemoryModel  # noqa: E402
@@ -47,6 +51,7 @@ def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_verbose_flag(parser)
     parser.add_argument("--card", default=None, help="one card (default: the cards of the table above)")
     parser.add_argument("--layouts", default=None, help="comma list of tp x pp x ep x cp (with --card)")
     parser.add_argument("--gpus", type=int, default=8)

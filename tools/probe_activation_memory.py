@@ -19,7 +19,11 @@ import torch
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]
+from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
+
+hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
 from bench_attention import write_table  # noqa: E402
+from tool_args import add_verbose_flag  # noqa: E402
 from megatron_dualkv import RolloutGroup, pack_groups  # noqa: E402
 from megatron_dualkv.memory import layer_activation_bytes  # noqa: E402
 from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
@@ -61,6 +65,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--out", default=".")
+    add_verbose_flag(parser)
     args = parser.parse_args()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     rows = []

@@ -200,6 +200,9 @@ def build_transformer_config(
         # a product as PyTorch ops). Not for the experts: a compiled call per expert would add host
         # time to a step that host time already binds (PERF_NOTES.md, run L).
         kwargs["bias_activation_fusion"] = True
+    # Megatron's default CUDA-graph scope, "full", is deprecated by Megatron itself (a warning at every
+    # config); the empty list it asks for means the same
+    kwargs[_CUDA_GRAPH_SCOPE] = []
     kwargs.update(overrides)
     kwargs.update(pipeline_stage_fields(kwargs["num_layers"], sizes, kwargs))
     return family.config_class(**kwargs)
@@ -266,6 +269,11 @@ def _counts_routed_tokens(config: TransformerConfig) -> bool:
     return bool(config.num_moe_experts) and bool(
         config.moe_aux_loss_coeff or config.moe_z_loss_coeff or config.moe_router_enable_expert_bias
     )
+
+
+# Megatron-Core 0.17+ calls the field cuda_graph_modules (cuda_graph_scope is its deprecated alias)
+_CUDA_GRAPH_SCOPE = next(f.name for f in dataclasses.fields(TransformerConfig) if f.name in ("cuda_graph_modules",
+                                                                                          "cuda_graph_scope"))
 
 
 def _legacy_grouped_gemm_available() -> bool:
