@@ -1,7 +1,7 @@
 """megatron-dualkv: shared-prefix (DualKV) packing and attention for RL post-training on Megatron-Core:
 one prompt and its responses, or prefix trees of trajectories."""
 from .attention import dualkv_attn_func
-from .layout import DualKVLayout, TreeLayout
+from .layout import DualKVLayout, PackedLayout, TreeLayout
 from .packing import PackedBatch, ReplicatedBatch, RolloutGroup, pack_groups
 from .planner import CostModel, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches
 from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories
@@ -11,6 +11,7 @@ __all__ = [
     "DualKVLayout",
     "MicroBatchPlan",
     "PackedBatch",
+    "PackedLayout",
     "PlannedMicroBatch",
     "ReplicatedBatch",
     "RolloutGroup",

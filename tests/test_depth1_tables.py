@@ -1,6 +1,7 @@
 """The depth-1 kernel tables, frozen: ``query_tiles`` and ``key_items`` of DualKV layouts as they were
 before prefix trees (issue #31) generalised the table builders. The depth-1 kernels' speed depends on
-these tables, so they must not move: small layouts are stored whole, the benchmark's layouts as
+these tables, so they must not move, for a DualKVLayout and for the same forest as a TreeLayout
+(16 trajectories sharing one prompt): small layouts are stored whole, the benchmark's layouts as
 digests (tests/data/depth1_tables.json)."""
 import hashlib
 import json
@@ -8,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from megatron_dualkv import DualKVLayout
+from megatron_dualkv import DualKVLayout, Trajectory, TreeLayout, pack_trajectories
 from megatron_dualkv.ops.dualkv_attn import key_items, query_tiles
 
 FROZEN = json.loads((Path(__file__).parent / "data" / "depth1_tables.json").read_text())
@@ -32,9 +34,18 @@ SMALL_ITEMS = ((16, 16, 2, 4, None), (16, 16, 2, 4, 7), (32, 16, 1, 8, 24), (8, 
 LARGE_ITEMS = ((128, 64, 8, 132, None), (64, 64, 8, 132, None), (64, 64, 16, 132, 1024), (32, 32, 16, 132, 1024))
 
 
-def tables(lengths, items_cases):
+def as_tree(lengths) -> TreeLayout:
+    """The DualKV layout's forest as a TreeLayout: each prompt a root, its responses its children."""
+    prompt_lens, response_lens, pad = lengths
+    lens, parents = [], []
+    for p, rs in zip(prompt_lens, response_lens):
+        parents += [-1] + [len(lens)] * len(rs)
+        lens += [p, *rs]
+    return TreeLayout(tuple(lens), tuple(parents), pad)
+
+
+def tables(layout, items_cases):
     """name -> int32 array of every table of one layout."""
-    layout = DualKVLayout(*lengths)
     out = {f"tiles{m}": query_tiles(layout, m).numpy() for m in QUERY_BLOCKS}
     for n, m, heads, sms, window in items_cases:
         items, reduce, slots = key_items(layout, n, m, heads, sms, window)
@@ -49,15 +60,29 @@ def digest(a: np.ndarray) -> str:
     return f"{a.shape}:" + hashlib.sha256(np.ascontiguousarray(a, dtype=np.int32).tobytes()).hexdigest()
 
 
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("name", SMALL)
-def test_small_layouts_keep_their_tables(name):
-    got = tables(SMALL[name], SMALL_ITEMS)
+def test_small_layouts_keep_their_tables(name, tree):
+    got = tables(as_tree(SMALL[name]) if tree else DualKVLayout(*SMALL[name]), SMALL_ITEMS)
     assert sorted(got) == sorted(FROZEN["small"][name])
     for key, table in got.items():
         assert table.tolist() == FROZEN["small"][name][key], key
 
 
+@pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("name", LARGE)
-def test_benchmark_layouts_keep_their_tables(name):
-    got = tables(LARGE[name], LARGE_ITEMS)
+def test_benchmark_layouts_keep_their_tables(name, tree):
+    got = tables(as_tree(LARGE[name]) if tree else DualKVLayout(*LARGE[name]), LARGE_ITEMS)
     assert {key: digest(t) for key, t in got.items()} == FROZEN["large"][name]
+
+
+def test_depth_one_trajectories_keep_the_tables():
+    """16 trajectories of one 8192-token prompt and 1024 tokens each, packed by pack_trajectories."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 1000, (8192,), generator=g)
+    responses = [torch.cat([torch.tensor([1000 + i]), torch.randint(0, 1000, (1023,), generator=g)]) for i in range(16)]
+    trajectories = [Trajectory(torch.cat([prompt, response])) for response in responses]
+    layout = pack_trajectories(trajectories).layout
+    assert layout.segment_lens == (8192,) + (1024,) * 16
+    got = tables(layout, LARGE_ITEMS)
+    assert {key: digest(t) for key, t in got.items()} == FROZEN["large"]["16x8192x1024"]

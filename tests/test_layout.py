@@ -112,7 +112,8 @@ def test_tree_mask_rule(layout, window):
     for q in range(len(owner)):
         path = set(ancestors_or_self(owner[q]))
         for k in range(len(owner)):
-            allowed = owner[k] in path and position[k] <= position[q] and (window is None or position[q] - position[k] < window)
+            in_window = window is None or position[q] - position[k] < window
+            allowed = owner[k] in path and position[k] <= position[q] and in_window
             assert bool(mask[q, k]) == allowed, (q, k)
     assert layout.position_ids.tolist() == position
     assert torch.diff(layout.cu_seqlens).tolist() == list(lens) and layout.total_tokens == len(owner)
@@ -122,7 +123,8 @@ def test_tree_mask_rule(layout, window):
         assert node.ancestors == tuple((layout.nodes[a].start, lens[a]) for a in chain[:-1])
         assert node.position == position[node.start] and node.root_start == layout.nodes[chain[0]].start
         inside = [t for t in range(len(owner)) if s in set(ancestors_or_self(owner[t]))]
-        assert (node.start, node.subtree_end) == (inside[0], inside[-1] + 1) and len(inside) == node.subtree_end - node.start
+        assert (node.start, node.subtree_end) == (inside[0], inside[-1] + 1)
+        assert len(inside) == node.subtree_end - node.start
     assert layout.max_depth == max(len(n.ancestors) for n in layout.nodes)
     assert layout.max_logical_len == max(position) + 1
 

@@ -112,8 +112,8 @@ def test_metadata_and_replicated_batch(trajectories):
 
 
 def test_groups_keep_their_own_trees_in_order_of_first_occurrence():
-    trajectories = [Trajectory([1, 2, 3], group="b"), Trajectory([1, 2, 4], group="a"), Trajectory([1, 2, 5], group="b"),
-                    Trajectory([1, 9], group="a")]
+    trajectories = [Trajectory([1, 2, 3], group="b"), Trajectory([1, 2, 4], group="a"),
+                    Trajectory([1, 2, 5], group="b"), Trajectory([1, 9], group="a")]
     batch = pack_trajectories(trajectories)
     # group "b" first: [1 2] then children [3], [5]; group "a": [1] then [2 4], [9]
     assert batch.tokens.tolist() == [1, 2, 3, 5, 1, 2, 4, 9]
