@@ -335,3 +335,29 @@ def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monk
     assert [cmd[cmd.index("--models") + 1] for cmd in runs] == ["moe", "dense"]
     assert all({"--tiny", "--device", "cpu", "--repeats", "2"} <= set(cmd) for cmd in runs)
     assert [r.model for r in bench.read_results(tmp_path / "policy_update.csv")] == ["moe", "moe", "dense", "dense"]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_bench_baselines_use_the_layouts_mask(window):
+    """tools/bench_attention.py: FlexAttention's mask_mod is the layout's rule (depth 1 and trees),
+    and SDPA's replicated sequences are the trajectories (each [P][R_i] at depth 1); small versions
+    of the workloads, on the CPU. The issue's workloads have the shapes it asks for."""
+    attention = load(ROOT / "tools" / "bench_attention.py", "bench_attention")
+    for w in (attention.Workload("small", 3, 11, 7, 4, 2, 16, window),
+              attention.TreeWorkload("small-tree", 9, ((3, 4), (2, 6), (2, 1)), 4, 2, 16, window)):
+        layout = w.layout("cpu")
+        T = layout.total_tokens
+        i = torch.arange(T)
+        assert torch.equal(attention.flex_mask_mod(layout, w.window)(0, 0, i[:, None], i[None, :]),
+                           layout.dense_mask(w.window))
+        index = w.replicated_index("cpu")
+        assert torch.equal(layout.position_ids[index], torch.arange(index.shape[1]).expand_as(index))
+        covered = torch.zeros(T, T, dtype=torch.bool)
+        for row in index:
+            covered[row[:, None], row[None, :]] = True
+        assert torch.equal(covered & (i[None, :] <= i[:, None]), layout.dense_mask())  # each sequence causal
+    trees = {w.name: attention.describe(w) for w in attention.WORKLOADS if isinstance(w, attention.TreeWorkload)}
+    assert trees["d128-tree-agent"]["tokens"] == 4096 + 4 * 1024 + 8 * 3 * 1024
+    assert trees["d128-tree-agent"]["replicated_tokens"] == 8 * (4096 + 4 * 1024)
+    assert trees["d128-tree-search"]["segments"] == 1 + 84
+    assert trees["d128-tree-16x8192x1024"]["tokens"] == 8192 + 16 * 1024
