@@ -1,19 +1,26 @@
-"""megatron-dualkv: shared-prompt (DualKV) packing and attention for RL post-training on Megatron-Core."""
+"""megatron-dualkv: shared-prefix (DualKV) packing and attention for RL post-training on Megatron-Core:
+one prompt and its responses, or prefix trees of trajectories."""
 from .attention import dualkv_attn_func
-from .layout import DualKVLayout
+from .layout import DualKVLayout, PackedLayout, TreeLayout
 from .packing import PackedBatch, ReplicatedBatch, RolloutGroup, pack_groups
 from .planner import CostModel, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches
+from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories
 
 __all__ = [
     "CostModel",
     "DualKVLayout",
     "MicroBatchPlan",
     "PackedBatch",
+    "PackedLayout",
     "PlannedMicroBatch",
     "ReplicatedBatch",
     "RolloutGroup",
+    "Trajectory",
+    "TrajectoryBatch",
+    "TreeLayout",
     "dualkv_attn_func",
     "pack_groups",
+    "pack_trajectories",
     "plan_micro_batches",
 ]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .layout import DualKVLayout
+from .layout import PackedLayout
 from .ops.checks import check_attention_inputs
 from .ops.reference import dualkv_attention_reference
 
@@ -41,18 +41,18 @@ def dualkv_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: DualKVLayout,
+    layout: PackedLayout,
     softmax_scale: float | None = None,
     window_size: int | None = None,
     softcap: float | None = None,
     deterministic: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """DualKV attention on the packed layout.
+    """DualKV attention on the packed layout: a ``DualKVLayout`` or a ``TreeLayout``.
 
     q: (T, Hq, D), k/v: (T, Hkv, D), Hq a multiple of Hkv -> out (T, Hq, D).
-    Response queries see their group's whole prompt and their own response (causal); prompt
-    queries see their prompt (causal). ``window_size`` is a left window in logical positions,
+    A query sees its segment's ancestors (a response: its group's prompt; a tree segment: its path
+    from the root) whole and its own segment causally. ``window_size`` is a left window in logical positions,
     ``softcap`` caps scores with ``softcap * tanh(s / softcap)``. ``deterministic`` makes the
     kernels' gradients bitwise reproducible. ``backend``: "auto" (on GPU the native sm_90 kernels
     where they apply, else the Triton kernels; the reference off GPU), "triton" (the Triton

@@ -164,8 +164,8 @@ def pack_groups(groups: Sequence[RolloutGroup], pad_to_multiple_of: int = 1, pad
     layout = DualKVLayout(tuple(prompt_lens), tuple(response_lens), padded - total)  # checks int32 first
     pieces = []
     for g, group in enumerate(groups):
-        pieces.append(_token_ids(group.prompt, f"group {g} prompt"))
-        pieces += [_token_ids(r, f"group {g} response {i}") for i, r in enumerate(group.responses)]
+        pieces.append(token_ids(group.prompt, f"group {g} prompt"))
+        pieces += [token_ids(r, f"group {g} response {i}") for i, r in enumerate(group.responses)]
     if padded > total:
         pieces.append(torch.full((padded - total,), pad_token_id, dtype=torch.long))
     rewards = None
@@ -186,16 +186,19 @@ def check_rollout_groups(groups: Sequence[RolloutGroup], caller: str) -> None:
         raise ValueError(f"{caller}: either every group has rewards or none does")
 
 
-def _token_ids(ids, what: str) -> torch.Tensor:
+def token_ids(ids, what: str) -> torch.Tensor:
+    """ids (a sequence of ints or a 1-D integer tensor) -> (n,) int64 on the host; ValueError,
+    naming ``what``, on anything else or a negative id."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise ValueError(f"{what}: token ids must be a 1-D integer tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
         t = ids.to(torch.long).cpu()
     else:
         ids = list(ids)
-        for x in ids:
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-                raise ValueError(f"{what}: token ids must be integers, got {x!r} ({type(x).__name__})")
+        if not all(type(x) is int for x in ids):  # plain ints pass at once (an ABC check per id is slow)
+            for x in ids:
+                if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                    raise ValueError(f"{what}: token ids must be integers, got {x!r} ({type(x).__name__})")
         t = torch.tensor([int(x) for x in ids], dtype=torch.long)
     if t.numel() and int(t.min()) < 0:
         raise ValueError(f"{what}: negative token id {int(t.min())}")

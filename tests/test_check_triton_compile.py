@@ -1,5 +1,6 @@
-"""tools/check_triton_compile.py: the Triton kernels compile for sm_90 on this CPU machine (with the
-installed Triton), and a kernel that the compiler refuses is reported as a failed case."""
+"""tools/check_triton_compile.py: the Triton kernels (their depth-1 and multi-range tree variants) compile
+for sm_90 on this CPU machine (with the installed Triton), and a kernel that the compiler refuses is
+reported as a failed case."""
 import os
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ def test_kernels_compile_for_hopper():
     result = check("--head-dims", "64", "--dtypes", "bf16")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sm_90" in result.stdout and "FAILED" not in result.stdout
-    assert result.stdout.count("ok ") == 5  # four attention variants, the elementwise ops
+    assert result.stdout.count("ok ") == 7  # four attention variants on a DualKV layout, two on a tree, elementwise
+    assert "ok     attention tree D=64 bf16 window=16 (" in result.stdout
     assert "row_gather_sum bf16 (5 kernels" in result.stdout  # each direction of rms_norm and geglu, row_gather_sum
 
 

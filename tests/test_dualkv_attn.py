@@ -1,13 +1,15 @@
-"""Triton DualKV kernels on CPU (interpreter, tiny shapes) against the float64 reference."""
+"""Triton DualKV kernels on CPU (interpreter, tiny shapes) against the float64 reference: for prompt and
+response groups, and for prefix trees against the replicated layout (each trajectory one causal sequence)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
+from megatron_dualkv import DualKVLayout, Trajectory, TreeLayout, dualkv_attn_func, pack_groups, pack_trajectories
 from megatron_dualkv.ops import dualkv_attn as kernels
-from megatron_dualkv.ops.dualkv_attn import KernelConfig, kernel_config, key_items, kernel_tables
-from strategies import layout_lengths, rollout_groups
+from megatron_dualkv.ops.dualkv_attn import (KernelConfig, ancestor_pieces, kernel_config, kernel_tables, key_items,
+                                             multi_range, piece_table, query_tiles)
+from strategies import layout_lengths, rollout_groups, trajectory_sets, tree_lengths
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter tests; GPU has its own module")
 
@@ -197,8 +199,9 @@ def test_tables_are_cached_per_layout():
     assert kernel_tables(layout, 16, 1).fwd_tiles is kernel_tables(layout, 16, 1).fwd_tiles
 
 
-def test_torch_compile_sees_an_opaque_op():
-    layout = DualKVLayout((13,), ((6, 9),))
+@pytest.mark.parametrize("layout", [DualKVLayout((13,), ((6, 9),)), TreeLayout((5, 4, 3, 6, 2), (-1, 0, 1, 0, 3), 8)],
+                         ids=["depth1", "tree"])
+def test_torch_compile_sees_an_opaque_op(layout):
     q, k, v = (torch.randn(28, h, 16, requires_grad=True) for h in (2, 1, 1))
 
     def f(q, k, v):
@@ -226,3 +229,134 @@ def test_triton_backend_refused_on_cpu_without_interpreter(monkeypatch):
     x = torch.zeros(3, 1, 16)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         dualkv_attn_func(x, x, x, layout, backend="triton")
+
+
+# ==================================================================================== prefix trees
+def replicated_reference(batch, q, k, v, dout, scale=None, window=None, softcap=None):
+    """Float64 outputs and q/k/v gradients on the replicated layout: every trajectory (and the
+    padding) one causal sequence of copies of its packed tokens; each packed token's output read
+    from one of its copies (all equal), gradients summed over the copies."""
+    T = batch.num_tokens
+    padding = [torch.arange(T - batch.layout.pad_len, T)] if batch.layout.pad_len else []
+    sequences = list(batch.trajectory_index) + padding
+    index = torch.cat(sequences)
+    layout = DualKVLayout(tuple(map(len, sequences)), ((),) * len(sequences))
+    x = [t.double().requires_grad_() for t in (q, k, v)]
+    out_rep = dualkv_attn_func(*(t[index] for t in x), layout, scale, window, softcap, backend="reference")
+    copy = torch.empty(T, dtype=torch.long)
+    copy[index] = torch.arange(index.numel())
+    out = out_rep[copy]
+    return (out, *torch.autograd.grad(out, x, dout.double()))
+
+
+def run_tree(batch, hq, hkv, d, window=None, softcap=None, scale=None, seed=0, deterministic=False):
+    """The Triton kernels (float32) on the packed tree, the replicated float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    T = batch.num_tokens
+    q, k, v = (torch.randn(T, h, d, generator=g) for h in (hq, hkv, hkv))
+    dout = torch.randn(T, hq, d, generator=g)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = dualkv_attn_func(*x, batch.layout, scale, window, softcap, deterministic, backend="triton")
+    return (out, *torch.autograd.grad(out, x, dout)), replicated_reference(batch, q, k, v, dout, scale, window, softcap)
+
+
+def agent_episodes():
+    """Two groups: multi-turn episodes (a 21-token prompt, turns of 3 to 20 tokens, episodes that
+    share turns, one ending inside another, one a single token past the prompt; the deepest paths
+    three pieces), and a tree search that branches at inner tokens of its root's first child."""
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(0, 1000, (n,), generator=g).tolist()  # noqa: E731
+    prompt, turn, short = ids(21), ids(17), ids(3)
+    episodes = [prompt + ids(19), prompt + turn + ids(20), prompt + turn + short + ids(18),
+                prompt + turn + short + ids(6), prompt + ids(1)]
+    episodes.append(episodes[1][:45])  # ends inside its sibling's second turn
+    root, branch = ids(3), ids(18)
+    search = [root + branch[:5] + ids(2), root + branch + ids(1), root + branch + ids(4), root + ids(2)]
+    return [Trajectory(t, group=0) for t in episodes] + [Trajectory(t, group=1) for t in search]
+
+
+@given(
+    trajectory_sets(max_groups=2, max_segment=18, max_segments=6),
+    st.sampled_from([(2, 1), (2, 2)]),
+    st.sampled_from([16, 24]),
+    st.one_of(st.none(), st.integers(1, 40)),
+    st.one_of(st.none(), st.just(5.0)),
+    st.sampled_from([1, 16]),
+    st.booleans(),
+)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_tree_kernels_match_the_replicated_layout(trajectories, heads, d, window, softcap, multiple, deterministic):
+    batch = pack_trajectories(trajectories, pad_to_multiple_of=multiple)
+    got, want = run_tree(batch, *heads, d, window, softcap, scale=0.9 / d**0.5, deterministic=deterministic)
+    assert_matches(got, want)
+
+
+@pytest.mark.parametrize("window, softcap, deterministic", [(None, None, False), (9, 5.0, True)])
+def test_agent_episodes_and_tree_search(window, softcap, deterministic):
+    """Segments over several blocks, tiles with two and three ancestor pieces, key tiles split into
+    query chunks, a window shorter than a segment and reaching over several."""
+    batch = pack_trajectories(agent_episodes(), pad_to_multiple_of=16)
+    assert max(map(len, ancestor_pieces(batch.layout))) == 3
+    _, reduce, _ = key_items(batch.layout, 16, 16, 1, 4, window)
+    assert reduce.shape[0] > 0
+    got, want = run_tree(batch, 2, 1, 16, window, softcap, deterministic=deterministic)
+    assert_matches(got, want)
+
+
+def test_tree_gradients_are_bitwise_reproducible():
+    layout = pack_trajectories([t for t in agent_episodes() if t.group == 1]).layout  # the tree search
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(layout.total_tokens, h, 16, generator=g, requires_grad=True) for h in (2, 1, 1))
+    dout = torch.randn_like(q)
+    first, second = (torch.autograd.grad(dualkv_attn_func(q, k, v, layout, window_size=9, deterministic=True,
+                                                          backend="triton"), (q, k, v), dout) for _ in range(2))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_tma_loads_on_trees(monkeypatch):
+    """The pieces streamed as TMA boxes (emulated by the interpreter)."""
+    monkeypatch.setattr(kernels, "SMALL_BLOCKS", KernelConfig(16, 16, 1, 1, tma=True))
+    search = [t for t in agent_episodes() if t.group == 1]
+    got, want = run_tree(pack_trajectories(search), 2, 1, 32, window=20, deterministic=True)
+    assert_matches(got, want)
+
+
+def assert_query_tiles_cover_the_mask(layout, window, block_m):
+    """Every row of every query tile lies in the tile's segment, the tiles cover every query once,
+    and the keys a tile reads (its pieces, its segment up to the tile) hold every key its rows may
+    see, each kept piece holding one that some row sees (the window trims only invisible pieces)."""
+    tiles, pieces, mask = query_tiles(layout, block_m, window), piece_table(layout), layout.dense_mask(window)
+    covered = torch.zeros(layout.total_tokens, dtype=torch.int32)
+    for q0, q1, seg_start, seg_pos, lo, hi in tiles.tolist():
+        covered[q0:q1] += 1
+        node = next(n for n in layout.nodes if n.start == seg_start)
+        assert seg_start + node.length >= q1 - 1 and seg_pos == node.position
+        reads = torch.zeros(layout.total_tokens, dtype=torch.bool)
+        reads[seg_start:q1] = True
+        for start, length, position in pieces[lo:hi].tolist():
+            assert int(layout.position_ids[start]) == position
+            assert mask[q0:q1, start:start + length].any(), "a piece that no row sees"
+            reads[start:start + length] = True
+        assert not (mask[q0:q1] & ~reads).any(), f"tile {(q0, q1)} misses keys it sees"
+    assert torch.all(covered == 1)
+
+
+@given(st.data(), st.one_of(st.none(), st.integers(1, 30)), st.sampled_from([(16, 16), (8, 4)]))
+@settings(max_examples=40, deadline=None)
+def test_tree_tables_cover_the_mask(data, window, blocks):
+    lengths = tree_lengths(data.draw, max_segments=14, max_len=20)
+    layout = TreeLayout(*lengths, pad_len=data.draw(st.sampled_from([0, 5])))
+    assert_key_items_cover_the_mask(layout, window, *blocks, 8)
+    if multi_range(layout):
+        assert_query_tiles_cover_the_mask(layout, window, blocks[1])
+
+
+def test_ancestor_pieces_merge_first_children():
+    """A first child follows its parent in packed order too: one piece; a later child's path breaks there."""
+    layout = TreeLayout((4, 3, 2, 5, 1), (-1, 0, 1, 0, 3))
+    assert ancestor_pieces(layout) == ((), ((0, 4, 0),), ((0, 7, 0),), ((0, 4, 0),), ((0, 4, 0), (9, 5, 4)))
+    assert multi_range(layout)
+    chain = TreeLayout((4, 3, 2, 2), (-1, 0, 1, 1))  # every path one packed range: the depth-1 tables
+    assert not multi_range(chain) and piece_table(chain) is None
+    assert query_tiles(chain, 16).shape[1] == 5

@@ -6,11 +6,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_dualkv import DualKVLayout, pack_groups
-from megatron_dualkv.ops.dualkv_attn import kernel_tables
+from megatron_dualkv import DualKVLayout, TreeLayout, pack_groups, pack_trajectories
+from megatron_dualkv.ops import dualkv_attn as kernels
+from megatron_dualkv.ops.dualkv_attn import kernel_config, kernel_tables
 from megatron_dualkv.ops.dualkv_attn_sm90 import dq_in_head_dim_order, native_supported
 from flash_check import check_flash_style
-from strategies import rollout_groups
+from strategies import rollout_groups, trajectory_sets
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                             reason="needs an sm_90 GPU")
@@ -69,6 +70,50 @@ def test_tables_follow_the_native_kernels_of_each_head_dim(d, fwd_rows, key_tile
     assert rows.max().item() == fwd_rows
     keys = (tables.kv_items[:, 1] - tables.kv_items[:, 0]).max().item()
     assert keys == key_tile
+
+
+# a root, its first child (one packed range with it) and that child's child; a second child of the
+# root and its child, whose path is two pieces ([0, 300) and [450, 530))
+TREE = TreeLayout((300, 100, 50, 80, 40), (-1, 0, 1, 0, 3), pad_len=6)
+CHAIN = TreeLayout((300, 100, 50, 20), (-1, 0, 1, 1))  # every path one packed range
+
+
+@pytest.mark.parametrize("d", [128, 256, 512])
+def test_trees_with_several_ancestor_pieces_run_the_triton_forward(d):
+    """The native forward reads one prefix per tile: a tree whose paths are several pieces gets the
+    Triton forward's multi-range tiles (its blocks), and the native backward the same items as a
+    depth-1 layout would; a tree whose paths are single ranges keeps the native forward."""
+    assert kernels._native_forward(d, True) and not kernels._native_forward(d, True, multi_range_tiles=True)
+    assert kernels._native_backward(d, True)
+    tables = kernel_tables(TREE, d, 2, native=True)
+    assert tables.pieces is not None and tables.fwd_tiles.shape[1] == 6
+    triton_rows = kernel_config("fwd", d, TREE.device).block_m
+    assert (tables.fwd_tiles[:, 1] - tables.fwd_tiles[:, 0]).max().item() == triton_rows
+    assert (tables.kv_items[:, 1] - tables.kv_items[:, 0]).max().item() == kernels.NATIVE_BLOCK_N[d]
+    chain = kernel_tables(CHAIN, d, 2, native=True)
+    assert chain.pieces is None and chain.fwd_tiles.shape[1] == 5
+    assert (chain.fwd_tiles[:, 1] - chain.fwd_tiles[:, 0]).max().item() == kernels.NATIVE_FWD_BLOCK_M[d]
+
+
+@hopper
+@pytest.mark.parametrize("d", [128, 256, 512])
+@pytest.mark.parametrize("layout", [TREE, CHAIN], ids=["pieces", "chain"])
+@pytest.mark.parametrize("window", [None, 100])
+def test_trees(d, layout, window):
+    """The default backend on trees: the Triton forward and the native backward where paths are
+    several pieces, both native kernels where they are single ranges."""
+    if window is not None and d == 512:
+        pytest.skip("the native kernels have no window at head dim 512")
+    check_flash_style(layout.to("cuda"), 8, 2, d, torch.bfloat16, backend="auto", window_size=window)
+
+
+@hopper
+@given(trajectory_sets(max_groups=3, max_segment=400, max_segments=10, vocab=1000), st.sampled_from([128, 256]),
+       st.one_of(st.none(), st.integers(1, 600)))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_fuzzed_trees(trajectories, d, window):
+    layout = pack_trajectories(trajectories, pad_to_multiple_of=8).layout.to("cuda")
+    check_flash_style(layout, 8, 2, d, torch.bfloat16, backend="auto", window_size=window)
 
 
 @hopper

@@ -585,3 +585,29 @@ def test_rollout_logprobs_replace_the_behaviour_pass(script, policy_args, monkey
     tis = dataclasses.replace(script.LOSSES["grpo"], tis_cap=2.0)
     stats = script.policy_update_step(policy, groups, tis, 64, "packed", rollout_logprobs=rollout)
     assert passes == [1] and stats.rollout_mismatch > 0 and stats.updates[0].ratio == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_bench_baselines_use_the_layouts_mask(window):
+    """tools/bench_attention.py: FlexAttention's mask_mod is the layout's rule (depth 1 and trees),
+    and SDPA's replicated sequences are the trajectories (each [P][R_i] at depth 1); small versions
+    of the workloads, on the CPU. The issue's workloads have the shapes it asks for."""
+    attention = load(ROOT / "tools" / "bench_attention.py", "bench_attention")
+    for w in (attention.Workload("small", 3, 11, 7, 4, 2, 16, window),
+              attention.TreeWorkload("small-tree", 9, ((3, 4), (2, 6), (2, 1)), 4, 2, 16, window)):
+        layout = w.layout("cpu")
+        T = layout.total_tokens
+        i = torch.arange(T)
+        assert torch.equal(attention.flex_mask_mod(layout, w.window)(0, 0, i[:, None], i[None, :]),
+                           layout.dense_mask(w.window))
+        index = w.replicated_index("cpu")
+        assert torch.equal(layout.position_ids[index], torch.arange(index.shape[1]).expand_as(index))
+        covered = torch.zeros(T, T, dtype=torch.bool)
+        for row in index:
+            covered[row[:, None], row[None, :]] = True
+        assert torch.equal(covered & (i[None, :] <= i[:, None]), layout.dense_mask())  # each sequence causal
+    trees = {w.name: attention.describe(w) for w in attention.WORKLOADS if isinstance(w, attention.TreeWorkload)}
+    assert trees["d128-tree-agent"]["tokens"] == 4096 + 4 * 1024 + 8 * 3 * 1024
+    assert trees["d128-tree-agent"]["replicated_tokens"] == 8 * (4096 + 4 * 1024)
+    assert trees["d128-tree-search"]["segments"] == 1 + 84
+    assert trees["d128-tree-16x8192x1024"]["tokens"] == 8192 + 16 * 1024

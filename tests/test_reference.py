@@ -1,12 +1,13 @@
-"""The reference DualKV attention against plain causal attention on the replicated layout (float64)."""
+"""The reference DualKV attention against plain causal attention on the replicated layout (float64),
+for prompt/response groups and for prefix trees of trajectories."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups
+from megatron_dualkv import DualKVLayout, dualkv_attn_func, pack_groups, pack_trajectories
 from megatron_dualkv.ops.reference import dualkv_attention_reference
-from strategies import rollout_groups
+from strategies import rollout_groups, trajectory_sets
 
 
 def causal_attention(q, k, v, scale, window=None, softcap=None):
@@ -66,6 +67,29 @@ def test_reference_matches_replicated_causal(groups, heads, d, window, softcap, 
         torch.testing.assert_close(a[:real], b[:real], rtol=1e-10, atol=1e-10, msg=f"d{name}")
 
 
+@given(
+    trajectory_sets(),
+    st.sampled_from([(1, 1), (4, 2)]),
+    st.one_of(st.none(), st.integers(1, 8)),
+    st.one_of(st.none(), st.floats(0.5, 5.0)),
+    st.sampled_from([1, 8]),
+)
+@settings(max_examples=40, deadline=None)
+def test_reference_on_trees_matches_replicated_causal(trajectories, heads, window, softcap, multiple):
+    """Prefix trees: every trajectory is one causal sequence of the replicated layout."""
+    batch = pack_trajectories(trajectories, pad_to_multiple_of=multiple)
+    T, real = batch.num_tokens, batch.num_tokens - batch.layout.pad_len
+    q, k, v = random_qkv(T, *heads, 4)
+    out = dualkv_attn_func(q, k, v, batch.layout, 0.6, window, softcap)  # "auto": the reference on CPU
+    expected = replicated_attention(batch, q, k, v, 0.6, window, softcap)
+    torch.testing.assert_close(out[:real], expected, rtol=1e-10, atol=1e-10)
+    grad = torch.randn(real, heads[0], 4, dtype=torch.float64)
+    got = torch.autograd.grad(out[:real], (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a[:real], b[:real], rtol=1e-10, atol=1e-10, msg=f"d{name}")
+
+
 def test_padding_attends_only_to_itself():
     layout = DualKVLayout((2,), ((1,),), 3)
     q, k, v = random_qkv(6, 2, 1, 4, requires_grad=False)
@@ -86,7 +110,7 @@ def test_padding_attends_only_to_itself():
         (dict(window_size=0), ValueError, "window_size"),
         (dict(softcap=-1.0), ValueError, "softcap"),
         (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
-        (dict(layout="nope"), TypeError, "DualKVLayout"),
+        (dict(layout="nope"), TypeError, "DualKVLayout or a TreeLayout"),
         (dict(backend="cuda-magic"), ValueError, "unknown DualKV attention backend"),
     ],
 )

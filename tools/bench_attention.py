@@ -2,6 +2,11 @@
 FlexAttention (same mask, packed layout) vs PyTorch SDPA (cuDNN / flash / memory-efficient) on the
 replicated layout.
 
+Workloads: one prompt and N responses (depth 1), and prefix trees of trajectories (issue #31):
+agent episodes, a tree search, and depth 1 given as trajectories (``-tree-`` names), packed by
+``pack_trajectories``; FlexAttention runs their ancestor mask on the same packed layout, SDPA every
+trajectory as one causal sequence.
+
 For each workload: median forward and forward+backward time, useful TFLOP/s (only the (query,
 key) pairs the mask allows: 4*D*Hq FLOPs per pair forward, 2.5x that backward) and peak memory
 above the inputs. Prints a table, writes CSV and a PNG plot.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import os
 import shutil
@@ -38,8 +44,9 @@ from datetime import datetime
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from megatron_dualkv import DualKVLayout, dualkv_attn_func  # noqa: E402
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]  # the other tools, the package; also when imported by path
+from megatron_dualkv import DualKVLayout, PackedLayout, Trajectory, dualkv_attn_func, pack_trajectories  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run as a script)
 
@@ -55,8 +62,47 @@ class Workload:
     d: int
     window: int | None = None
 
-    def layout(self) -> DualKVLayout:
-        return DualKVLayout((self.p,), ((self.r,) * self.n,)).to("cuda")
+    def layout(self, device="cuda") -> DualKVLayout:
+        return DualKVLayout((self.p,), ((self.r,) * self.n,)).to(device)
+
+    def replicated_index(self, device="cuda") -> torch.Tensor:
+        """(N, P + R) packed index of each replicated sequence ``[P][R_i]``."""
+        return torch.stack([torch.cat([torch.arange(self.p), self.p + i * self.r + torch.arange(self.r)])
+                            for i in range(self.n)]).to(device)
+
+
+@dataclass(frozen=True)
+class TreeWorkload:
+    """A prefix tree of trajectories: a prompt, then per level ``(branching, segment length)``,
+    every leaf's path one trajectory (random tokens; siblings start with distinct ones)."""
+
+    name: str
+    prompt: int
+    levels: tuple
+    hq: int
+    hkv: int
+    d: int
+    window: int | None = None
+
+    def trajectories(self):
+        g = torch.Generator().manual_seed(0)
+        paths = [torch.randint(0, 30000, (self.prompt,), generator=g)]
+        for branching, length in self.levels:
+            paths = [torch.cat([path, torch.tensor([30000 + i]), torch.randint(0, 30000, (length - 1,), generator=g)])
+                     for path in paths for i in range(branching)]
+        return [Trajectory(path) for path in paths]
+
+    def layout(self, device="cuda") -> PackedLayout:
+        return _packed(self).layout.to(device)
+
+    def replicated_index(self, device="cuda") -> torch.Tensor:
+        """(N, L) packed index of each trajectory (all of one length here)."""
+        return torch.stack(_packed(self).trajectory_index).to(device)
+
+
+@functools.cache
+def _packed(w: TreeWorkload):
+    return pack_trajectories(w.trajectories())
 
 
 WORKLOADS = [
@@ -70,6 +116,13 @@ WORKLOADS = [
     Workload("d512-16x8192x1024", 16, 8192, 1024, 32, 16, 512),
     # a Gemma 4 sliding layer's attention: the window cuts the prompt keys the responses see
     Workload("d256w1024-16x8192x1024", 16, 8192, 1024, 32, 16, 256, window=1024),
+    # (a) agent episodes: a 4096-token prompt, 8 trajectories of 4 turns (512 model tokens, then 512
+    # tool tokens), sharing their first turn in pairs: 32,768 packed tokens for 65,536
+    TreeWorkload("d128-tree-agent", 4096, ((4, 1024), (2, 3072)), 32, 8, 128),
+    # (b) tree search: a 2048-token prompt, branching 4 for 3 levels of 512-token segments (84)
+    TreeWorkload("d128-tree-search", 2048, ((4, 512), (4, 512), (4, 512)), 32, 8, 128),
+    # (c) depth 1 given as trajectories: the tables, and so the time, of d128-16x8192x1024
+    TreeWorkload("d128-tree-16x8192x1024", 8192, ((16, 1024),), 32, 8, 128),
 ]
 # smaller shapes with the same per-block behaviour, so a config sweep fits a lease
 TUNING_WORKLOADS = [
@@ -101,14 +154,49 @@ def sbhd_attention(query, key, value, attend, repeat_kv: bool = True):
     return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 
-def inputs(w: Workload, dtype=torch.bfloat16):
-    T = w.p + w.n * w.r
+def describe(w) -> dict:
+    """A workload's layout on the CPU: packed and replicated tokens, attention pairs, segments, the
+    most ancestor pieces a query tile reads (more than one: the forward's multi-range tiles)."""
+    layout = w.layout("cpu")
+    replicated = w.replicated_index("cpu").numel()
+    return dict(workload=w.name, tokens=layout.total_tokens, replicated_tokens=replicated,
+                rho=round(replicated / layout.total_tokens, 3), pairs=layout.attention_pairs(w.window),
+                segments=len(layout.nodes), max_pieces=max(map(len, kernels.ancestor_pieces(layout))))
+
+
+def inputs(w, dtype=torch.bfloat16):
+    T = w.layout().total_tokens
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(T, h, w.d, device="cuda", dtype=dtype, generator=g) for h in (w.hq, w.hkv, w.hkv))
     return q, k, v
 
 
-def method_fn(method: str, w: Workload, layout: DualKVLayout, q, k, v):
+def flex_mask_mod(layout: PackedLayout, window: int | None):
+    """FlexAttention's ``mask_mod`` of the layout's rule, on the layout's device. A DualKV layout:
+    same group, a prompt key or the query's own segment, causal positions. A tree: the TRL-style
+    ancestor interval test, the key's segment's subtree range holding the query, causal positions."""
+    device = layout.device
+    lens = torch.tensor([n.length for n in layout.nodes], device=device)
+    seg = torch.repeat_interleave(torch.arange(len(layout.nodes), device=device), lens)
+    pos, window = layout.position_ids, window or 2**30
+    if isinstance(layout, DualKVLayout):
+        group, prompt = layout.segment_group[seg], layout.segment_is_prompt[seg]
+
+        def mask_mod(b, h, qi, ki):
+            return ((group[qi] == group[ki]) & (prompt[ki] | (seg[qi] == seg[ki])) & (pos[ki] <= pos[qi])
+                    & (pos[qi] - pos[ki] < window))
+
+        return mask_mod
+    first = torch.tensor([n.start for n in layout.nodes], device=device)[seg]
+    end = torch.tensor([n.subtree_end for n in layout.nodes], device=device)[seg]
+
+    def mask_mod(b, h, qi, ki):
+        return (first[ki] <= qi) & (qi < end[ki]) & (pos[ki] <= pos[qi]) & (pos[qi] - pos[ki] < window)
+
+    return mask_mod
+
+
+def method_fn(method: str, w, layout: PackedLayout, q, k, v):
     """(callable that returns the output, leaf tensors to differentiate). Setup is not timed."""
     if method in ("dualkv", "dualkv_triton"):
         backend = "auto" if method == "dualkv" else "triton"
@@ -117,28 +205,20 @@ def method_fn(method: str, w: Workload, layout: DualKVLayout, q, k, v):
     if method == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        seg = torch.repeat_interleave(torch.arange(len(layout.segment_lens), device="cuda"),
-                                      torch.tensor(layout.segment_lens, device="cuda"))
-        group, prompt, pos = layout.segment_group[seg], layout.segment_is_prompt[seg], layout.position_ids
-        window = w.window or 2**30
-
-        def mask_mod(b, h, qi, ki):
-            return ((group[qi] == group[ki]) & (prompt[ki] | (seg[qi] == seg[ki])) & (pos[ki] <= pos[qi])
-                    & (pos[qi] - pos[ki] < window))
-
         T = layout.total_tokens
-        block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
+        block_mask = create_block_mask(flex_mask_mod(layout, w.window), None, None, T, T, device="cuda")
         flex = torch.compile(flex_attention, dynamic=False)
         x = [t.transpose(0, 1).unsqueeze(0).clone().requires_grad_() for t in (q, k, v)]
         return (lambda: flex(*x, block_mask=block_mask, enable_gqa=True)), x
-    # SDPA on the replicated layout: N sequences [P][R_i], kv heads expanded (SDPA backends need it)
+    # SDPA on the replicated layout: N sequences [P][R_i] (or N trajectories), kv heads expanded
+    # (SDPA backends need it)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[method]
-    index = torch.cat([torch.cat([torch.arange(w.p), w.p + i * w.r + torch.arange(w.r)]) for i in range(w.n)]).cuda()
+    index = w.replicated_index()
     rep = w.hq // w.hkv
-    x = [t[index].view(w.n, w.p + w.r, t.shape[1], w.d).repeat_interleave(rep if t is not q else 1, 2)
+    x = [t[index.flatten()].view(*index.shape, t.shape[1], w.d).repeat_interleave(rep if t is not q else 1, 2)
          .transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
 
     def run():
@@ -437,10 +517,16 @@ def main():
                         "'block_m,block_n,warps,stages[,tma]' separated by ';'")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the table: kernel times and idle GPU time per fwd+bwd call (torch.profiler)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="instead of the table: each workload's layout (tokens, pairs, pieces), built on the CPU")
     args = parser.parse_args()
     known = {w.name: w for w in WORKLOADS + TUNING_WORKLOADS}
     workloads = [known[name] for name in comma_names(parser, "--workloads", args.workloads, known)]
     methods = comma_names(parser, "--methods", args.methods, METHODS)
+    if args.dry_run:
+        for w in workloads:
+            print(describe(w), flush=True)
+        return
     if args.profile:
         for w, method in itertools.product(workloads, methods):
             profile_calls(method, w)

@@ -2,10 +2,11 @@
 
 The ops run on small CPU tensors, choosing what they would choose on the GPU (its block configs,
 TMA from sm_90 on), and each kernel launch is replaced by a compile for the target: source to
-cubin through ``ptxas``, no launch and no output. A kernel that the GPU's Triton would refuse (a
-type error, shared memory over the limit, an unsupported op) fails here in seconds instead of in
-a device call. The interpreter that runs the CPU tests does not type-check, and it has no
-shared-memory limit.
+cubin through ``ptxas``, no launch and no output. Attention runs on a DualKV layout and on a
+prefix tree (the forward and dQ kernels' multi-range variants). A kernel that the GPU's Triton
+would refuse (a type error, shared memory over the limit, an unsupported op) fails here in
+seconds instead of in a device call. The interpreter that runs the CPU tests does not type-check,
+and it has no shared-memory limit.
 
 Use the Triton version of the GPU machine: it is the one that decides. For example:
 
@@ -38,7 +39,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # an installed or PYTHONPATH package first
-from megatron_dualkv import DualKVLayout  # noqa: E402
+from megatron_dualkv import DualKVLayout, TreeLayout  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func  # noqa: E402
@@ -48,6 +49,10 @@ HEAD_DIMS = (64, 96, 128, 192, 256, 512)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # prompt 70 and responses 33, 40: several blocks, none a multiple of a block size
 LAYOUT = DualKVLayout(prompt_lens=(70,), response_lens=((33, 40),))
+# the same as a prefix tree whose third level sees two ancestor pieces ([0, 70) and the second
+# response): the forward and dQ kernels' multi-range variants
+TREE = TreeLayout(segment_lens=(70, 33, 40, 21, 9), segment_parent=(-1, 0, 0, 2, 2))
+DEPTH_1, LAYOUTS = {"": LAYOUT}, {"": LAYOUT, " tree": TREE}  # label -> layout
 
 
 class CompileOnlyDriver(DriverBase):
@@ -100,11 +105,11 @@ def compile_instead_of_launch(arch: int) -> list:
     return compiled
 
 
-def attention_case(head_dim: int, dtype: torch.dtype, window, softcap, deterministic: bool):
-    t = LAYOUT.total_tokens
+def attention_case(head_dim: int, dtype: torch.dtype, window, softcap, deterministic: bool, layout=LAYOUT):
+    t = layout.total_tokens
     q = torch.randn(t, 4, head_dim, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(t, 2, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
-    out = kernels.dualkv_attn_triton(q, k, v, LAYOUT, window_size=window, softcap=softcap, deterministic=deterministic)
+    out = kernels.dualkv_attn_triton(q, k, v, layout, window_size=window, softcap=softcap, deterministic=deterministic)
     out.float().sum().backward()
 
 
@@ -119,11 +124,15 @@ def elementwise_cases(dtype: torch.dtype):
 
 def cases(head_dims, dtypes):
     for d, (name, dtype) in itertools.product(head_dims, dtypes.items()):
-        for window, softcap, deterministic in [(None, None, False), (16, None, False), (None, 30.0, False),
-                                               (None, None, True)]:
-            label = f"attention D={d} {name}" + (f" window={window}" if window else "") + (
-                f" softcap={softcap}" if softcap else "") + (" deterministic" if deterministic else "")
-            yield label, lambda d=d, dt=dtype, w=window, s=softcap, det=deterministic: attention_case(d, dt, w, s, det)
+        # trees: the variants of the multi-range code (the pieces loop, with a window or without)
+        variants = [(None, None, False, LAYOUTS), (16, None, False, LAYOUTS), (None, 30.0, False, DEPTH_1),
+                    (None, None, True, DEPTH_1)]
+        for window, softcap, deterministic, layouts in variants:
+            for kind, layout in layouts.items():
+                label = f"attention{kind} D={d} {name}" + (f" window={window}" if window else "") + (
+                    f" softcap={softcap}" if softcap else "") + (" deterministic" if deterministic else "")
+                yield label, lambda d=d, dt=dtype, w=window, s=softcap, det=deterministic, lay=layout: attention_case(
+                    d, dt, w, s, det, lay)
     for name, dtype in dtypes.items():
         yield f"rms_norm, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
 

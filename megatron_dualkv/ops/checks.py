@@ -6,13 +6,13 @@ import math
 
 import torch
 
-from ..layout import DualKVLayout
+from ..layout import PackedLayout
 
 
 def check_attention_inputs(q, k, v, layout, softmax_scale=None, window_size=None, softcap=None) -> float:
     """Validate q (T, Hq, D), k/v (T, Hkv, D) against ``layout``; return the softmax scale to use."""
-    if not isinstance(layout, DualKVLayout):
-        raise TypeError(f"layout must be a DualKVLayout, got {type(layout).__name__}")
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout must be a DualKVLayout or a TreeLayout, got {type(layout).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a (tokens, heads, head_dim) tensor, got shape {getattr(t, 'shape', None)}")

@@ -1,20 +1,27 @@
-"""Fused DualKV attention: Triton forward and backward over the shared prompt and each response.
+"""Fused DualKV attention: Triton forward and backward over shared prefixes: a prompt and each of
+its responses, or prefix trees of trajectories at any depth.
 
 One launch per micro-batch covers every group. Work is described by host-built tables
-(``DualKVLayout.derived`` caches them per layout), so kernels never search segment boundaries:
+(``PackedLayout.derived`` caches them per layout), so kernels never search segment boundaries:
 
 * forward / dQ: one program per (query tile, query head). A tile lies inside one segment and
-  sees two key ranges:
-      A, the *prefix*: its group's whole prompt (responses only), visible up to the window;
+  sees two kinds of key ranges:
+      A, its *ancestors*: every key visible up to the window. A response's one ancestor is its
+         prompt, inline in the tile's row. In a tree (DFS order) a path from the root is a short
+         list of *pieces* (``ancestor_pieces``: ancestors that follow each other in packed order
+         merged), read from a side table in multi-range tiles (``MULTI_RANGE``, a constexpr: the
+         depth-1 kernels compile as before), window-hidden pieces dropped on the host;
       B, *itself*: its segment from the start up to the tile, causal.
 * dK/dV: one program per (key tile, key/value head, query chunk). The queries that see a key tile
-  form ONE contiguous range: ``[k_start, end of group)`` for a prompt tile (the prompt's own later
-  queries, then every response of the group, since responses follow their prompt) and
-  ``[k_start, end of segment)`` for a response tile. Prompt tiles therefore receive work from
-  P + sum(R_i) queries and response tiles from R_i: long ranges are split into chunks, each
-  writing an fp32 partial, reduced afterwards in a fixed order, so the grid stays full and dK/dV
-  are bitwise reproducible. GQA is reduced inside the program (loop over the query heads of the
-  key/value head): no expanded K/V, no expanded dK/dV.
+  form ONE contiguous range ``[k_start, subtree end)``: the segment's own later queries, then
+  every query of its descendants, which follow it in DFS order (a prompt tile: the rest of its
+  prompt, then every response of the group; a response tile: the rest of its response). So in
+  packed order a query sees a key iff it comes later, and a window cuts the range into runs of
+  consecutive positions (each branch restarts its positions at the segment's end). Prompt (root)
+  tiles receive work from P + sum(R_i) queries and response tiles from R_i: long ranges are split
+  into chunks, each writing an fp32 partial, reduced afterwards in a fixed order, so the grid
+  stays full and dK/dV are bitwise reproducible. GQA is reduced inside the program (loop over the
+  query heads of the key/value head): no expanded K/V, no expanded dK/dV.
 * dQ: its own pass per (query tile, query head), recomputing the scores (7 matmuls per block pair
   in the backward), or, unless ``deterministic`` and where it measured faster (head dim 512 on
   the H200), added by the dK/dV pass to an fp32 buffer (5 matmuls per block pair): one TMA bulk
@@ -38,8 +45,9 @@ Key ranges are cut into a masked lower edge (window), an unmasked middle and a m
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -47,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..layout import DualKVLayout
+from ..layout import PackedLayout
 from .checks import check_attention_inputs, tma_aligned
 from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, dkdv_dq_sm90, dq_in_head_dim_order,
                                fwd_sm90, native_supported)
@@ -185,6 +193,36 @@ def _fwd_keys(acc, l_i, m_i, q, K, V, k_desc, v_desc, row0, hk, stride_kt, strid
 
 
 @triton.jit
+def _fwd_ancestor(acc, l_i, m_i, q, K, V, k_desc, v_desc, start, length, offset, i0, i1, hk, stride_kt, stride_kh,
+                  stride_vt, stride_vh, window, qk_scale, softcap, offs_m, offs_n, offs_d, d_mask,
+                  HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """Keys [start, start + length) of an ancestor piece, every one visible up to the window: no
+    causal mask. The tile's row i (its index in its segment) sits at ``offset + i`` in the piece's
+    index space (its position minus the piece's first)."""
+    return _fwd_keys(acc, l_i, m_i, q, K, V, k_desc, v_desc, start, hk, stride_kt, stride_kh, stride_vt, stride_vh,
+                     tl.maximum(offset + i0 - window + 1, 0), length, offset + i1 - window + 1, length,
+                     offset + i0 + offs_m, window, qk_scale, softcap, offs_n, offs_d, d_mask, False, HAS_WINDOW,
+                     HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+
+
+@triton.jit
+def _fwd_pieces(acc, l_i, m_i, q, K, V, k_desc, v_desc, PIECES, seg_pos, piece_lo, piece_hi, i0, i1, hk, stride_kt,
+                stride_kh, stride_vt, stride_vh, window, qk_scale, softcap, offs_m, offs_n, offs_d, d_mask,
+                HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """A multi-range tile's ancestor pieces ``PIECES[piece_lo:piece_hi]`` ``(start, length, position)``,
+    root first; its segment starts at position ``seg_pos``."""
+    for p in range(piece_lo, piece_hi):
+        piece = PIECES + 3 * p
+        acc, l_i, m_i = _fwd_ancestor(acc, l_i, m_i, q, K, V, k_desc, v_desc, tl.load(piece), tl.load(piece + 1),
+                                      seg_pos - tl.load(piece + 2), i0, i1, hk, stride_kt, stride_kh, stride_vt,
+                                      stride_vh, window, qk_scale, softcap, offs_m, offs_n, offs_d, d_mask, HAS_WINDOW,
+                                      HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _program_row(TABLE, NUM_HEADS: tl.constexpr, WIDTH: tl.constexpr):
     """(head, pointer to the table row) of this program: one program per (row, head), heads varying
     slowest, so that the programs running at once take one head's rows and share its K/V (forward)
@@ -195,19 +233,21 @@ def _program_row(TABLE, NUM_HEADS: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(TILES, NUM_HEADS: tl.constexpr):
-    """This program's query head and its row ``(q_start, q_end, seg_start, prefix_start, prefix_len)``."""
-    h, row = _program_row(TILES, NUM_HEADS, 5)
-    return h, tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
+def _query_tile(TILES, NUM_HEADS: tl.constexpr, MULTI_RANGE: tl.constexpr):
+    """This program's query head, its table row and the row's first five fields: ``(q_start, q_end,
+    seg_start, prefix_start, prefix_len)`` of a single-range tile; a multi-range tile holds
+    ``(seg_pos, piece_lo)`` in place of the prefix, then ``piece_hi`` (``query_tiles``)."""
+    h, row = _program_row(TILES, NUM_HEADS, 6 if MULTI_RANGE else 5)
+    return h, row, tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, TILES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                stride_vh, stride_ot, stride_oh, T, qk_scale, softcap, window, NUM_HEADS: tl.constexpr,
+def _fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, TILES, PIECES, stride_qt, stride_qh, stride_kt, stride_kh,
+                stride_vt, stride_vh, stride_ot, stride_oh, T, qk_scale, softcap, window, NUM_HEADS: tl.constexpr,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                TMA_LOADS: tl.constexpr):
-    h, q_start, q_end, seg_start, prefix_start, prefix_len = _query_tile(TILES, NUM_HEADS)
+                TMA_LOADS: tl.constexpr, MULTI_RANGE: tl.constexpr):
+    h, row, q_start, q_end, seg_start, prefix_start, prefix_len = _query_tile(TILES, NUM_HEADS, MULTI_RANGE)
     hk = h // GROUP
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -226,13 +266,19 @@ def _fwd_kernel(Q, K, V, K_DESC, V_DESC, O, LSE, TILES, stride_qt, stride_qh, st
 
     i0 = q_start - seg_start  # first row's index inside its segment
     i1 = q_end - 1 - seg_start  # last row's
-    # A: the group's prompt, keys at logical positions 0..prefix_len-1, no causal mask needed
-    if prefix_len > 0:
-        acc, l_i, m_i = _fwd_keys(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, prefix_start, hk, stride_kt, stride_kh,
-                                  stride_vt, stride_vh, tl.maximum(prefix_len + i0 - window + 1, 0), prefix_len,
-                                  prefix_len + i1 - window + 1, prefix_len, prefix_len + i0 + offs_m, window,
-                                  qk_scale, softcap, offs_n, offs_d, d_mask, False, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
-                                  BLOCK_D, EVEN_D, TMA_LOADS)
+    if MULTI_RANGE:
+        # A: the tile's path from its root, piece by piece (seg_pos and piece_lo where a
+        # single-range row holds its prefix, piece_hi after them)
+        acc, l_i, m_i = _fwd_pieces(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, PIECES, prefix_start, prefix_len,
+                                    tl.load(row + 5), i0, i1, hk, stride_kt, stride_kh, stride_vt, stride_vh, window,
+                                    qk_scale, softcap, offs_m, offs_n, offs_d, d_mask, HAS_WINDOW, HAS_SOFTCAP,
+                                    BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+    elif prefix_len > 0:
+        # A: the prefix (a response's prompt), keys at logical positions 0..prefix_len-1
+        acc, l_i, m_i = _fwd_ancestor(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, prefix_start, prefix_len, prefix_len,
+                                      i0, i1, hk, stride_kt, stride_kh, stride_vt, stride_vh, window, qk_scale,
+                                      softcap, offs_m, offs_n, offs_d, d_mask, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N,
+                                      BLOCK_D, EVEN_D, TMA_LOADS)
     # B: the tile's own segment, causal
     acc, l_i, m_i = _fwd_keys(acc, l_i, m_i, q, K, V, K_DESC, V_DESC, seg_start, hk, stride_kt, stride_kh, stride_vt,
                               stride_vh, tl.maximum(i0 - window + 1, 0), i1 + 1, i1 - window + 1, i0 + 1,
@@ -308,12 +354,39 @@ def _dq_keys(dq, q, do, lse, delta, K, V, k_desc, v_desc, row0, hk, stride_kt, s
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, TILES, stride_qt, stride_qh, stride_kt, stride_kh,
-                   stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale, qk_scale, softcap,
-                   window, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _dq_ancestor(dq, q, do, lse, delta, K, V, k_desc, v_desc, start, length, offset, i0, i1, hk, stride_kt, stride_kh,
+                 stride_vt, stride_vh, window, qk_scale, softcap, offs_m, offs_n, offs_d, d_mask,
+                 HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """dQ over the keys of an ancestor piece, as ``_fwd_ancestor``."""
+    return _dq_keys(dq, q, do, lse, delta, K, V, k_desc, v_desc, start, hk, stride_kt, stride_kh, stride_vt,
+                    stride_vh, tl.maximum(offset + i0 - window + 1, 0), length, offset + i1 - window + 1, length,
+                    offset + i0 + offs_m, window, qk_scale, softcap, offs_n, offs_d, d_mask, False, HAS_WINDOW,
+                    HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+
+
+@triton.jit
+def _dq_pieces(dq, q, do, lse, delta, K, V, k_desc, v_desc, PIECES, seg_pos, piece_lo, piece_hi, i0, i1, hk,
+               stride_kt, stride_kh, stride_vt, stride_vh, window, qk_scale, softcap, offs_m, offs_n, offs_d, d_mask,
+               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               EVEN_D: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """dQ over a multi-range tile's ancestor pieces, as ``_fwd_pieces``."""
+    for p in range(piece_lo, piece_hi):
+        piece = PIECES + 3 * p
+        dq = _dq_ancestor(dq, q, do, lse, delta, K, V, k_desc, v_desc, tl.load(piece), tl.load(piece + 1),
+                          seg_pos - tl.load(piece + 2), i0, i1, hk, stride_kt, stride_kh, stride_vt, stride_vh, window,
+                          qk_scale, softcap, offs_m, offs_n, offs_d, d_mask, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_D,
+                          EVEN_D, TMA_LOADS)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, TILES, PIECES, stride_qt, stride_qh, stride_kt,
+                   stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, sm_scale,
+                   qk_scale, softcap, window, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, TMA_LOADS: tl.constexpr):
-    h, q_start, q_end, seg_start, prefix_start, prefix_len = _query_tile(TILES, NUM_HEADS)
+                   HAS_SOFTCAP: tl.constexpr, TMA_LOADS: tl.constexpr, MULTI_RANGE: tl.constexpr):
+    h, row, q_start, q_end, seg_start, prefix_start, prefix_len = _query_tile(TILES, NUM_HEADS, MULTI_RANGE)
     hk = h // GROUP
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -332,11 +405,15 @@ def _bwd_dq_kernel(Q, K, V, K_DESC, V_DESC, DO, DQ, LSE, DELTA, TILES, stride_qt
 
     i0 = q_start - seg_start
     i1 = q_end - 1 - seg_start
-    if prefix_len > 0:
-        dq = _dq_keys(dq, q, do, lse, delta, K, V, K_DESC, V_DESC, prefix_start, hk, stride_kt, stride_kh, stride_vt,
-                      stride_vh, tl.maximum(prefix_len + i0 - window + 1, 0), prefix_len, prefix_len + i1 - window + 1,
-                      prefix_len, prefix_len + i0 + offs_m, window, qk_scale, softcap, offs_n, offs_d, d_mask, False,
-                      HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
+    if MULTI_RANGE:  # the pieces, as in the forward
+        dq = _dq_pieces(dq, q, do, lse, delta, K, V, K_DESC, V_DESC, PIECES, prefix_start, prefix_len,
+                        tl.load(row + 5), i0, i1, hk, stride_kt, stride_kh, stride_vt, stride_vh, window, qk_scale,
+                        softcap, offs_m, offs_n, offs_d, d_mask, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
+                        TMA_LOADS)
+    elif prefix_len > 0:
+        dq = _dq_ancestor(dq, q, do, lse, delta, K, V, K_DESC, V_DESC, prefix_start, prefix_len, prefix_len, i0, i1,
+                          hk, stride_kt, stride_kh, stride_vt, stride_vh, window, qk_scale, softcap, offs_m, offs_n,
+                          offs_d, d_mask, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D, TMA_LOADS)
     dq = _dq_keys(dq, q, do, lse, delta, K, V, K_DESC, V_DESC, seg_start, hk, stride_kt, stride_kh, stride_vt,
                   stride_vh, tl.maximum(i0 - window + 1, 0), i1 + 1, i1 - window + 1, i0 + 1, i0 + offs_m, window,
                   qk_scale, softcap, offs_n, offs_d, d_mask, True, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N, BLOCK_D, EVEN_D,
@@ -363,8 +440,8 @@ def _dkdv_range(dk, dv, k, v, offs_n, pos_k, max_pos_k, Q, DO, q_desc, do_desc, 
                 FUSE_DQ: tl.constexpr, TMA_DQ: tl.constexpr, TMA_LOADS: tl.constexpr):
     """dk, dv (N, D) += contributions of queries [lo, hi) of one query head.
 
-    Queries of the range belong to the key tile's group; without a window a query sees a key iff
-    it comes later in the packed order (responses follow their prompt), so only the diagonal and
+    Queries of the range belong to the key tile's subtree; without a window a query sees a key iff
+    it comes later in the packed order (descendants follow their ancestors), so only the diagonal and
     the range end need masks. With a window, positions decide in the masked parts, and invisible
     blocks are skipped.
     With FUSE_DQ, the block's dq = dx^T k is added to an fp32 accumulator with atomics (5 matmuls
@@ -555,11 +632,16 @@ def kernel_config(pass_name: str, head_dim: int, device: torch.device,
 
 # ``native``: the call may run the native sm_90 kernels (dualkv_attn_sm90.native_supported); each
 # pass does where it has one at this head dim, and then the native kernel's blocks shape its table
-def _native_forward(head_dim: int, native: bool) -> bool:
-    return native and head_dim in NATIVE_FWD_BLOCK_M
+def _native_forward(head_dim: int, native: bool, multi_range_tiles: bool = False) -> bool:
+    """The native forward reads single-range tiles only (one prefix per tile: csrc/dualkv_fwd_sm90.cu):
+    trees whose tiles see several ancestor pieces run the Triton forward, until it learns pieces."""
+    return native and head_dim in NATIVE_FWD_BLOCK_M and not multi_range_tiles
 
 
 def _native_backward(head_dim: int, native: bool) -> bool:
+    """The native backward reads ``key_items``, whose tree items have the depth-1 items' form (one
+    packed query range after the key tile, visible iff query >= key, one run of positions under a
+    window), so it runs trees as they are."""
     return native and head_dim in NATIVE_BLOCK_N
 
 
@@ -612,12 +694,67 @@ def _int32(rows: np.ndarray, device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int32)).to(device)
 
 
-def query_tiles(layout: DualKVLayout, block_m: int) -> torch.Tensor:
-    """(n, 5) int32 rows ``(q_start, q_end, seg_start, prefix_start, prefix_len)``, heaviest first."""
+def ancestor_pieces(layout: PackedLayout) -> Tuple[Tuple[Tuple[int, int, int], ...], ...]:
+    """Per segment its ancestors' keys as *pieces* ``(start, length, position)``, root first: runs
+    of ancestors that follow each other in packed order too (a first child follows its parent), so
+    that a piece's keys sit at consecutive packed indices and positions. A response's one piece is
+    its prompt; a tree segment's path is a short list of pieces, one per branch taken after a first
+    child's."""
+
+    def build():
+        out = []
+        for node in layout.nodes:
+            pieces, position = [], 0
+            for start, length in node.ancestors:
+                if pieces and pieces[-1][0] + pieces[-1][1] == start:
+                    pieces[-1] = (pieces[-1][0], pieces[-1][1] + length, pieces[-1][2])
+                else:
+                    pieces.append((start, length, position))
+                position += length
+            out.append(tuple(pieces))
+        return tuple(out)
+
+    return layout.derived("ancestor_pieces", build)
+
+
+def multi_range(layout: PackedLayout) -> bool:
+    """Whether some segment sees its ancestors as more than one piece: then the forward and dQ
+    passes read multi-range tiles (``query_tiles``) and a piece table (``piece_table``)."""
+    return layout.derived("multi_range", lambda: max(map(len, ancestor_pieces(layout)), default=0) > 1)
+
+
+def piece_table(layout: PackedLayout) -> Optional[torch.Tensor]:
+    """(m, 3) int32 ``(start, length, position)``: every segment's ``ancestor_pieces`` in segment
+    order, which multi-range tiles index; None for single-range layouts (depth 1), whose tiles hold
+    their one piece."""
+    if not multi_range(layout):
+        return None
+
+    def build():
+        rows = [piece for pieces in ancestor_pieces(layout) for piece in pieces]
+        return _int32(np.asarray(rows, dtype=np.int64).reshape(-1, 3), layout.device)
+
+    return layout.derived("piece_table", build)
+
+
+def query_tiles(layout: PackedLayout, block_m: int, window: Optional[int] = None) -> torch.Tensor:
+    """Query tiles of ``block_m`` rows inside one segment, heaviest first (keys seen by the last row).
+
+    Single-range layouts (``multi_range`` False: depth 1, and trees whose ancestors are each one
+    packed range): (n, 5) int32 ``(q_start, q_end, seg_start, prefix_start, prefix_len)``, the one
+    piece inline (positions 0..prefix_len-1, so the segment starts at position prefix_len); the
+    window is the kernels' to apply. Multi-range layouts: (n, 6) int32
+    ``(q_start, q_end, seg_start, seg_pos, piece_lo, piece_hi)``, the pieces
+    ``piece_table[piece_lo:piece_hi]``, without those that a window hides from every row.
+    """
+    if multi_range(layout):
+        return layout.derived(("query_tiles", block_m, window), lambda: _multi_range_tiles(layout, block_m, window))
 
     def build():
         rows = []
-        for start, length, prefix_start, prefix_len in layout.segments:
+        for node, pieces in zip(layout.nodes, ancestor_pieces(layout)):
+            start, length = node.start, node.length
+            prefix_start, prefix_len = pieces[0][:2] if pieces else (start, 0)
             t0 = np.arange(start, start + length, block_m)
             t1 = np.minimum(t0 + block_m, start + length)
             rows.append(np.stack([t0, t1, np.full_like(t0, start), np.full_like(t0, prefix_start),
@@ -629,52 +766,70 @@ def query_tiles(layout: DualKVLayout, block_m: int) -> torch.Tensor:
     return layout.derived(("query_tiles", block_m), build)
 
 
-def _visible_query_ranges(layout: DualKVLayout, block_n: int, window: Optional[int]):
-    """Per key tile ``(k_start, k_end, ranges, group_start)``: the packed query ranges that see some
-    key of the tile, in packed order, adjacent ranges merged.
+def _multi_range_tiles(layout: PackedLayout, block_m: int, window: Optional[int]) -> torch.Tensor:
+    rows, first = [], 0  # first: the segment's first row in piece_table
+    for node, pieces in zip(layout.nodes, ancestor_pieces(layout)):
+        for q0 in range(node.start, node.start + node.length, block_m):
+            # pieces wholly below the tile's first row's position - window + 1 are invisible to every row
+            lowest = node.position + q0 - node.start - _window(window) + 1
+            hidden = sum(1 for _, length, position in pieces if position + length <= lowest)
+            rows.append((q0, min(q0 + block_m, node.start + node.length), node.start, node.position,
+                         first + hidden, first + len(pieces)))
+        first += len(pieces)
+    tiles = np.asarray(rows, dtype=np.int64).reshape(-1, 6)
+    work = np.minimum(tiles[:, 3] + tiles[:, 1] - tiles[:, 2], _window(window))  # keys seen by the last row
+    return _int32(tiles[np.argsort(-work, kind="stable")], layout.device)
 
-    A prompt key is seen by the rest of its prompt and by every response of its group (responses
-    follow their prompt); a response key by the rest of its response. A window cuts each at the
-    position ``window`` past the tile's last key: the prompt's queries up to it, and each response's
-    first queries while their positions (from the prompt's length on) stay below it. Without a
-    window that is one range per tile, to the end of the group or of the response; with one, each
-    range's positions are consecutive.
+
+def _visible_query_ranges(layout: PackedLayout, block_n: int, window: Optional[int]):
+    """Per key tile ``(k_start, k_end, ranges, root_start)``: the packed query ranges that see some
+    key of the tile, in packed order, and the start of the tile's tree.
+
+    A key of segment X is seen by the rest of X and by every query of X's descendants, which
+    follow X in DFS order: one range ``[k_start, subtree_end(X))`` (a prompt tile: the rest of the
+    prompt, then every response of its group). A window cuts each segment of it at the position
+    ``window`` past the tile's last key: X's queries up to it, and each descendant's first queries
+    while their positions stay below it (whole subtrees past it are skipped). Adjacent ranges are
+    merged where positions run on (from a segment into its first child): with a window each range
+    is one run of consecutive positions, which the dK/dV kernels rely on.
     """
-    responses = {}  # prompt start -> [(start, length)] of its responses
-    for start, length, prefix_start, prefix_len in layout.segments:
-        if prefix_len:
-            responses.setdefault(prefix_start, []).append((start, length))
+    nodes = layout.nodes
+    starts = [node.start for node in nodes]
+    after_subtree = [bisect.bisect_left(starts, node.subtree_end) for node in nodes]  # first segment past it
     tiles = []
-    for start, length, prefix_start, prefix_len in layout.segments:
-        for k0 in range(start, start + length, block_n):
-            k1 = min(k0 + block_n, start + length)
-            reach = prefix_len + (k1 - 1 - start) + _window(window)  # positions below it see the last key
-            ranges = [(k0, start + min(length, reach - prefix_len))]
-            if not prefix_len:  # a prompt's tile: the first queries of each response too
-                ranges += [(r0, r0 + min(r_len, max(reach - length, 0))) for r0, r_len in responses.get(start, [])]
-            merged = []
-            for index, (lo, hi) in enumerate(ranges):
-                if hi <= lo:
+    for s, node in enumerate(nodes):
+        for k0 in range(node.start, node.start + node.length, block_n):
+            k1 = min(k0 + block_n, node.start + node.length)
+            if window is None:
+                tiles.append((k0, k1, [(k0, node.subtree_end)], node.root_start))
+                continue
+            reach = node.position + (k1 - 1 - node.start) + window  # positions below it see the last key
+            hi = node.start + min(node.length, reach - node.position)
+            ranges = [(k0, hi, node.position + hi - 1 - node.start)]  # + the position of the range's last query
+            d = s + 1
+            while d < after_subtree[s]:
+                if nodes[d].position >= reach:  # nor do its descendants see the tile
+                    d = after_subtree[d]
                     continue
-                # with a window, a range must be one run of positions (the kernel finds the queries
-                # that see the whole tile from its first position): positions run on from a prompt
-                # into its first response, not from one response into the next
-                if merged and merged[-1][1] == lo and (window is None or index == 1):
-                    merged[-1] = (merged[-1][0], hi)
+                lo, n = nodes[d].start, min(nodes[d].length, reach - nodes[d].position)
+                if ranges[-1][1] == lo and ranges[-1][2] + 1 == nodes[d].position:
+                    ranges[-1] = (ranges[-1][0], lo + n, nodes[d].position + n - 1)
                 else:
-                    merged.append((lo, hi))
-            tiles.append((k0, k1, merged, prefix_start if prefix_len else start))
+                    ranges.append((lo, lo + n, nodes[d].position + n - 1))
+                d += 1
+            tiles.append((k0, k1, [(lo, hi) for lo, hi, _ in ranges], node.root_start))
     return tiles
 
 
-def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: int, sm_count: int,
+def key_items(layout: PackedLayout, block_n: int, block_m: int, num_kv_heads: int, sm_count: int,
               window: Optional[int] = None):
     """Work of the dK/dV pass.
 
     items:  (n, 5) int32 ``(k_start, k_end, q_lo, q_hi, slot)``: one key tile and one chunk of the
             queries that see it (a window leaves a prompt tile several query ranges, one per
-            response); ``slot`` -1 writes dK/dV directly, else a partial-buffer slot.
-            Listed chunk by chunk (chunks aligned to the group), heaviest first inside one.
+            response; a tree segment's tile one per descendant branch); ``slot`` -1 writes dK/dV
+            directly, else a partial-buffer slot. Listed chunk by chunk (chunks aligned to the
+            tile's tree: its group), heaviest first inside one.
     reduce: (m, 4) int32 ``(k_start, k_end, first_slot, n_slots)`` for tiles split into several items.
     """
 
@@ -685,14 +840,14 @@ def key_items(layout: DualKVLayout, block_n: int, block_m: int, num_kv_heads: in
         target_items = max(len(tiles), 4 * sm_count // max(num_kv_heads, 1))
         chunk = max(block_m, -(-total_queries // target_items))
         chunk = -(-chunk // block_m) * block_m
-        # Chunks are aligned to the group and the table lists them chunk by chunk (heaviest first
+        # Chunks are aligned to the tree and the table lists them chunk by chunk (heaviest first
         # inside one): the CTAs running at once then read the same Q and dO blocks and add into the
         # same dQ rows, so these stay in L2 instead of being read from HBM once per key tile.
         items, reduce, slots = [], [], 0
-        for k0, k1, ranges, group_start in tiles:
+        for k0, k1, ranges, root_start in tiles:
             pieces = []  # (q_lo, q_hi, start of the chunk)
             for lo, hi in ranges:
-                first = group_start + (lo - group_start) // chunk * chunk
+                first = root_start + (lo - root_start) // chunk * chunk
                 bounds = [lo] + list(range(first + chunk, hi, chunk)) + [hi]
                 pieces += [(a, b, first + c * chunk) for c, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
             if len(pieces) == 1:
@@ -715,6 +870,7 @@ class KernelTables:
 
     fwd_tiles: torch.Tensor  # query tiles of the forward
     dq_tiles: torch.Tensor  # query tiles of the dQ pass (unused when the dK/dV pass accumulates dQ)
+    pieces: Optional[torch.Tensor]  # the ancestor pieces multi-range tiles index, None for single-range ones
     kv_items: torch.Tensor  # (key tile, query chunk) work of the dK/dV pass
     kv_reduce: torch.Tensor  # split key tiles to reduce
     num_slots: int  # partial-buffer slots used by kv_items
@@ -722,19 +878,20 @@ class KernelTables:
 
 
 @torch.compiler.disable
-def kernel_tables(layout: DualKVLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
+def kernel_tables(layout: PackedLayout, head_dim: int, num_kv_heads: int, deterministic: bool = False,
                   native: bool = False, window_size: Optional[int] = None,
                   dtype: torch.dtype = torch.bfloat16) -> KernelTables:
     """Host-built, cached per layout: never traced by torch.compile, never a device sync. The window
     trims the dK/dV work to the queries that see each key tile."""
-    fwd_rows = (NATIVE_FWD_BLOCK_M[head_dim] if _native_forward(head_dim, native)
+    pieces = piece_table(layout)
+    fwd_rows = (NATIVE_FWD_BLOCK_M[head_dim] if _native_forward(head_dim, native, pieces is not None)
                 else kernel_config("fwd", head_dim, layout.device, dtype).block_m)
     dq, dkdv = backward_plan(head_dim, layout.device, deterministic, native, dtype, window_size is not None)
     items, reduce, slots = key_items(layout, dkdv.block_n, dkdv.block_m, num_kv_heads, _sm_count(layout.device),
                                      window_size)
-    fwd_tiles = query_tiles(layout, fwd_rows)
-    dq_tiles = query_tiles(layout, dq.block_m) if dq else fwd_tiles  # no dQ pass: a placeholder, not read
-    return KernelTables(fwd_tiles, dq_tiles, items, reduce, slots, layout.position_ids)
+    fwd_tiles = query_tiles(layout, fwd_rows, window_size)
+    dq_tiles = query_tiles(layout, dq.block_m, window_size) if dq else fwd_tiles  # no dQ pass: a placeholder, not read
+    return KernelTables(fwd_tiles, dq_tiles, pieces, items, reduce, slots, layout.position_ids)
 
 
 def _window(window_size: Optional[int]) -> int:
@@ -745,26 +902,26 @@ def _softcap_log2(softcap: Optional[float]) -> float:
     return 0.0 if softcap is None else float(softcap) * LOG2E
 
 
-def _fwd(q, k, v, tiles, sm_scale: float, window_size: Optional[int], softcap: Optional[float], native: bool):
+def _fwd(q, k, v, tiles, pieces, sm_scale: float, window_size: Optional[int], softcap: Optional[float], native: bool):
     T, Hq, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
-    if _native_forward(D, native):
+    if _native_forward(D, native, pieces is not None):
         fwd_sm90(q, k, v, tiles, out, lse, sm_scale, window_size)
         return out, lse
     cfg = kernel_config("fwd", D, q.device, q.dtype)
     tma, k_boxes, v_boxes = _streamed(cfg, cfg.block_n, k, v)
     _fwd_kernel[(tiles.shape[0] * Hq,)](
-        q, k, v, k_boxes, v_boxes, out, lse, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap), _window(window_size),
-        NUM_HEADS=Hq, GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None, TMA_LOADS=tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q, k, v, k_boxes, v_boxes, out, lse, tiles, pieces, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), T, sm_scale * LOG2E, _softcap_log2(softcap),
+        _window(window_size), NUM_HEADS=Hq, GROUP=Hq // k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None,
+        TMA_LOADS=tma, MULTI_RANGE=pieces is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
 
-def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, positions, sm_scale: float,
+def _bwd(do, q, k, v, out, lse, dq_tiles, pieces, kv_items, kv_reduce, num_slots: int, positions, sm_scale: float,
          window_size: Optional[int], softcap: Optional[float], deterministic: bool, native: bool):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -784,10 +941,10 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
         dq_acc = dq  # unused by the dK/dV pass
         tma, k_boxes, v_boxes = _streamed(dq_cfg, dq_cfg.block_n, k, v)
         _bwd_dq_kernel[(dq_tiles.shape[0] * Hq,)](
-            q, k, v, k_boxes, v_boxes, do, dq, lse, delta, dq_tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars, NUM_HEADS=Hq,
-            GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, TMA_LOADS=tma,
-            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **common,
+            q, k, v, k_boxes, v_boxes, do, dq, lse, delta, dq_tiles, pieces, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, *scalars,
+            NUM_HEADS=Hq, GROUP=Hq // Hkv, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, TMA_LOADS=tma,
+            MULTI_RANGE=pieces is not None, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **common,
         )
     else:
         dq_acc = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
@@ -826,53 +983,55 @@ def _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots: int, p
 # Custom ops make the kernels opaque nodes for torch.compile; the tables travel as tensor inputs.
 @torch.library.custom_op("megatron_dualkv::dualkv_attn_fwd", mutates_args=())
 def dualkv_attn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd_tiles: torch.Tensor,
-                       dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor, num_slots: int,
-                       positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
-                       softcap: Optional[float], deterministic: bool, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       dq_tiles: torch.Tensor, pieces: Optional[torch.Tensor], kv_items: torch.Tensor,
+                       kv_reduce: torch.Tensor, num_slots: int, positions: torch.Tensor, sm_scale: float,
+                       window_size: Optional[int], softcap: Optional[float], deterministic: bool,
+                       native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (T, Hq, D), lse (Hq, T) float32 in log2 units. The backward's tables and plan ride along
-    for autograd. ``native``: the sm_90 kernels (dualkv_attn_sm90.py) for the passes that have one
-    at this head dim."""
-    return _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap, native)
+    for autograd (``pieces``: multi-range tiles' ancestor pieces, None for single-range tiles).
+    ``native``: the sm_90 kernels (dualkv_attn_sm90.py) for the passes that have one at this head
+    dim and table."""
+    return _fwd(q, k, v, fwd_tiles, pieces, sm_scale, window_size, softcap, native)
 
 
 @dualkv_attn_fwd_op.register_fake
-def _(q, k, v, fwd_tiles, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap,
+def _(q, k, v, fwd_tiles, dq_tiles, pieces, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap,
       deterministic, native):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("megatron_dualkv::dualkv_attn_bwd", mutates_args=())
 def dualkv_attn_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, dq_tiles: torch.Tensor, kv_items: torch.Tensor, kv_reduce: torch.Tensor,
-                       num_slots: int, positions: torch.Tensor, sm_scale: float, window_size: Optional[int],
-                       softcap: Optional[float], deterministic: bool,
+                       lse: torch.Tensor, dq_tiles: torch.Tensor, pieces: Optional[torch.Tensor],
+                       kv_items: torch.Tensor, kv_reduce: torch.Tensor, num_slots: int, positions: torch.Tensor,
+                       sm_scale: float, window_size: Optional[int], softcap: Optional[float], deterministic: bool,
                        native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv. dK/dV chunk partials are always reduced in a fixed order; dQ comes from its own
     pass, or, where ``GPU_CONFIGS["dkdv_dq"]`` has a config and not ``deterministic``, from fp32
     atomics in the dK/dV pass; ``native``: the sm_90 dK/dV pass with fused dQ (dualkv_attn_sm90.py)."""
-    return _bwd(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
-                softcap, deterministic, native)
+    return _bwd(do, q, k, v, out, lse, dq_tiles, pieces, kv_items, kv_reduce, num_slots, positions, sm_scale,
+                window_size, softcap, deterministic, native)
 
 
 @dualkv_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size, softcap,
-      deterministic, native):
+def _(do, q, k, v, out, lse, dq_tiles, pieces, kv_items, kv_reduce, num_slots, positions, sm_scale, window_size,
+      softcap, deterministic, native):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _, dq_tiles, kv_items, kv_reduce, num_slots, positions, *args = inputs
+    q, k, v, _, dq_tiles, pieces, kv_items, kv_reduce, num_slots, positions, *args = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions)
+    ctx.save_for_backward(q, k, v, out, lse, dq_tiles, pieces, kv_items, kv_reduce, positions)
     ctx.num_slots = num_slots
     ctx.args = args  # sm_scale, window_size, softcap, deterministic, native
 
 
 def _backward(ctx, dout, dlse, bwd=dualkv_attn_bwd_op):
-    q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, positions = ctx.saved_tensors
-    dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dq_tiles, kv_items, kv_reduce, ctx.num_slots, positions,
-                     *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
+    q, k, v, out, lse, dq_tiles, pieces, kv_items, kv_reduce, positions = ctx.saved_tensors
+    dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, dq_tiles, pieces, kv_items, kv_reduce, ctx.num_slots,
+                     positions, *ctx.args)
+    return (dq, dk, dv) + (None,) * 12
 
 
 dualkv_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -886,8 +1045,8 @@ class _DualKVAttnEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):  # dualkv_attn_fwd_op's
-        q, k, v, fwd_tiles, *_, sm_scale, window_size, softcap, _deterministic, native = inputs
-        out, lse = _fwd(q, k, v, fwd_tiles, sm_scale, window_size, softcap, native)
+        q, k, v, fwd_tiles, _, pieces, *_, sm_scale, window_size, softcap, _deterministic, native = inputs
+        out, lse = _fwd(q, k, v, fwd_tiles, pieces, sm_scale, window_size, softcap, native)
         _setup_context(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -897,7 +1056,7 @@ class _DualKVAttnEager(torch.autograd.Function):
         return _backward(ctx, dout, dlse, bwd=_bwd)
 
 
-def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DualKVLayout,
+def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                        softmax_scale: Optional[float] = None, window_size: Optional[int] = None,
                        softcap: Optional[float] = None, deterministic: bool = False,
                        native: bool = False) -> torch.Tensor:
@@ -916,6 +1075,6 @@ def dualkv_attn_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     native = native and native_supported(q, k, v, window_size, softcap, deterministic)
     t = kernel_tables(layout, q.shape[2], k.shape[1], bool(deterministic), native, window_size, q.dtype)
     op = dualkv_attn_fwd_op if torch.compiler.is_compiling() else _DualKVAttnEager.apply
-    out, _ = op(q, k, v, t.fwd_tiles, t.dq_tiles, t.kv_items, t.kv_reduce, t.num_slots, t.positions, sm_scale,
-                window_size, None if softcap is None else float(softcap), bool(deterministic), native)
+    out, _ = op(q, k, v, t.fwd_tiles, t.dq_tiles, t.pieces, t.kv_items, t.kv_reduce, t.num_slots, t.positions,
+                sm_scale, window_size, None if softcap is None else float(softcap), bool(deterministic), native)
     return out

@@ -16,7 +16,12 @@ warpgroup and two consumer warpgroups):
 Covered: those head dims, bf16/fp16, a left window at head dims 128 and 256 (Gemma's sliding
 layers; the forward skips the key blocks before it, the backward reads the windowed tables),
 no softcap, not ``deterministic`` (dQ is added with fp32 reductions in whatever order they land),
-16-byte aligned tensors (TMA). Everything else stays on Triton.
+16-byte aligned tensors (TMA). Everything else stays on Triton. Prefix trees: the forward reads
+one prefix per tile, so it runs trees whose every path is one packed range (single-range tables);
+a tree whose tiles see several ancestor pieces runs the Triton forward (``_native_forward`` in
+dualkv_attn.py). The backward's tree items have the depth-1 form (one packed query range after
+the key tile, visible iff query >= key, runs of consecutive positions under a window), so it runs
+every tree.
 """
 from __future__ import annotations
 

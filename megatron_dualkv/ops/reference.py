@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import DualKVLayout
+from ..layout import PackedLayout
 from .checks import check_attention_inputs
 
 
@@ -16,12 +16,12 @@ def dualkv_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: DualKVLayout,
+    layout: PackedLayout,
     softmax_scale: float | None = None,
     window_size: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention under the DualKV rule (see ``megatron_dualkv.layout``).
+    """Attention under the DualKV rule on a DualKVLayout or TreeLayout (see ``megatron_dualkv.layout``).
 
     q: (T, Hq, D), k/v: (T, Hkv, D) with Hq a multiple of Hkv (GQA) -> (T, Hq, D).
     ``window_size``: a key at logical position p_k is visible from p_q only if p_q - p_k < window_size.
