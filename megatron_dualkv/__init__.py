@@ -3,7 +3,7 @@ one prompt and its responses, or prefix trees of trajectories."""
 from .attention import dualkv_attn_func
 from .layout import DualKVLayout, PackedLayout, TreeLayout
 from .packing import PackedBatch, ReplicatedBatch, RolloutGroup, pack_groups
-from .planner import CostModel, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches
+from .planner import CostModel, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches, trajectory_groups
 from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "pack_groups",
     "pack_trajectories",
     "plan_micro_batches",
+    "trajectory_groups",
 ]
 __version__ = "0.1.0"

@@ -49,8 +49,10 @@ def device_of(model) -> torch.device:
 
 
 def max_abs_diff(a, b):
-    """Largest difference of two nested per-group, per-response tensor lists (compared on a's device)."""
-    return max((x - y.to(x.device)).abs().max().item() for ga, gb in zip(a, b) for x, y in zip(ga, gb))
+    """Largest difference of two nested per-group, per-response tensor lists (compared on a's
+    device; a response may have no values: a trajectory that trains no token)."""
+    return max((x - y.to(x.device)).abs().max().item() if x.numel() else 0.0
+               for ga, gb in zip(a, b) for x, y in zip(ga, gb))
 
 
 def config_of(card, **overrides):

@@ -2,7 +2,8 @@
 
 A drop-in for ``DotProductAttention`` in a layer spec (same constructor and forward contract).
 With ``packed_seq_params`` a ``DualKVPackedSeqParams`` (thd: q/k/v ``[t, heads, dim]``) it runs
-``megatron_dualkv.dualkv_attn_func`` on the layout the params carry and returns ``[t, heads*dim]``.
+``megatron_dualkv.dualkv_attn_func`` on the layout the params carry (a ``DualKVLayout`` or a
+``TreeLayout``; a window counts logical positions along each path) and returns ``[t, heads*dim]``.
 Without ``packed_seq_params`` (sbhd: ``[s, b, heads, dim]``, a right-padded batch of plain
 sequences) the same model runs the standard replicated layout, the baseline and the equivalence
 oracle: on a GPU with a fused kernel (``replicated_attention``: PyTorch SDPA, or FlexAttention for a
@@ -87,7 +88,7 @@ class DualKVAttention(DotProductAttention):
             if query.dim() != 4:
                 raise ValueError(
                     f"DualKVAttention got a {query.dim()}-D query without packed_seq_params: packed (thd) input "
-                    "needs DualKVPackedSeqParams.from_layout(layout), which carries the DualKVLayout"
+                    "needs DualKVPackedSeqParams.from_layout(layout), which carries the packed layout"
                 )
             if query.is_cuda:
                 return replicated_attention(query, key, value, self.dualkv_softmax_scale, self.dualkv_window,
@@ -96,7 +97,7 @@ class DualKVAttention(DotProductAttention):
         layout = getattr(packed_seq_params, "layout", None)
         if layout is None:
             raise ValueError(
-                f"DualKVAttention needs the micro-batch's DualKVLayout: pass "
+                f"DualKVAttention needs the micro-batch's DualKVLayout or TreeLayout: pass "
                 f"DualKVPackedSeqParams.from_layout(layout) as packed_seq_params, got {type(packed_seq_params).__name__} "
                 "without a layout"
             )
@@ -110,7 +111,7 @@ class DualKVAttention(DotProductAttention):
         tokens = local_tokens(packed_seq_params)
         if query.shape[0] != tokens.stop - tokens.start:
             raise ValueError(
-                f"DualKVAttention: the query has {query.shape[0]} tokens but the DualKVLayout describes "
+                f"DualKVAttention: the query has {query.shape[0]} tokens but the {type(layout).__name__} describes "
                 f"{layout.total_tokens} (split over {context_parallel_size(packed_seq_params.cp_group)} context-parallel "
                 "rank(s)); the layout must be the one the micro-batch was packed with"
             )

@@ -3,7 +3,8 @@
 ``GPTModel`` ignores ``position_ids`` for RoPE: in thd format it builds a ``[max_seqlen, 1, 1, d]``
 frequency table and Megatron's unfused thd RoPE (``rope_utils._apply_rotary_pos_emb_thd``)
 restarts positions at 0 in every ``cu_seqlens`` segment, so each response would start at 0
-instead of continuing at its prompt length P. The same function has an exact-mapping mode: when
+instead of continuing at its prompt length P (and a prefix tree's segment at the length of its
+path from the root). The same function has an exact-mapping mode: when
 the frequency tensor has exactly ``cu_seqlens[-1]`` rows, token ``i`` gets row ``i``. This model
 hands it one row per packed token, gathered at the token's logical position from Megatron's own
 frequency table, so packed and replicated layouts see bit-identical rotations.
@@ -171,7 +172,8 @@ class DualKVGPTModel(GPTModel):
         positions = layout.position_ids[tokens] if position_ids is None else position_ids.reshape(-1)
         if positions.numel() != tokens.stop - tokens.start:
             raise ValueError(
-                f"position_ids has {positions.numel()} entries but the DualKVLayout describes {layout.total_tokens} tokens"
+                f"position_ids has {positions.numel()} entries but the {type(layout).__name__} describes "
+                f"{layout.total_tokens} tokens"
                 + _split_note(packed_seq_params)
             )
         longest = layout.max_logical_len
@@ -192,7 +194,7 @@ def _check_inputs_match_layout(packed_seq_params: DualKVPackedSeqParams, input_i
     tokens = local_tokens(packed_seq_params)
     if input_ids is not None and input_ids.numel() != tokens.stop - tokens.start:
         raise ValueError(
-            f"input_ids has {input_ids.numel()} tokens but the DualKVLayout describes {layout.total_tokens}"
+            f"input_ids has {input_ids.numel()} tokens but the {type(layout).__name__} describes {layout.total_tokens}"
             f"{_split_note(packed_seq_params)}; pass the layout the micro-batch was packed with"
         )
 

@@ -1,4 +1,4 @@
-"""``DualKVPackedSeqParams``: how a micro-batch's DualKVLayout travels through Megatron-Core.
+"""``DualKVPackedSeqParams``: how a micro-batch's packed layout travels through Megatron-Core.
 
 Megatron hands ``packed_seq_params`` unchanged from ``GPTModel.forward`` to every core-attention
 module, so the layout rides along in a ``PackedSeqParams`` subclass. ``qkv_format="thd"`` makes
@@ -11,19 +11,20 @@ from typing import Optional
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..layout import DualKVLayout
+from ..layout import PackedLayout
 
 
 @dataclass
 class DualKVPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` (thd) carrying the ``DualKVLayout`` of the packed micro-batch."""
+    """``PackedSeqParams`` (thd) carrying the packed micro-batch's layout: a ``DualKVLayout``
+    (prompts and responses) or a ``TreeLayout`` (prefix trees of trajectories)."""
 
-    layout: Optional[DualKVLayout] = None
+    layout: Optional[PackedLayout] = None
 
     @classmethod
-    def from_layout(cls, layout: DualKVLayout) -> "DualKVPackedSeqParams":
-        if not isinstance(layout, DualKVLayout):
-            raise TypeError(f"from_layout: expected a DualKVLayout, got {type(layout).__name__}")
+    def from_layout(cls, layout: PackedLayout) -> "DualKVPackedSeqParams":
+        if not isinstance(layout, PackedLayout):
+            raise TypeError(f"from_layout: expected a DualKVLayout or a TreeLayout, got {type(layout).__name__}")
         # cu_seqlens stay on the host: Megatron's unfused thd RoPE reads them one element at a
         # time (.item() per segment), which on a device tensor would synchronise per segment.
         cu_seqlens = layout.to("cpu").cu_seqlens

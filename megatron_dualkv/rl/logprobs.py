@@ -1,11 +1,13 @@
-"""Per-token log-probs and entropy of response tokens, vocab-parallel under tensor parallelism.
+"""Per-token log-probs and entropy of trained tokens, vocab-parallel under tensor parallelism.
 
 The model's last pipeline stage returns its final hidden states (``skip_output_layer``); only the
-rows that predict a response token go through the vocabulary projection, fused with the
+rows that predict a trained token go through the vocabulary projection, fused with the
 log-softmax and the gather and chunked over the vocabulary (``ops.linear_logprobs``), so neither
 the logits of prompt positions nor the ``[tokens, V/tp]`` logits of the predicting rows are ever
-held. Prediction rows: the last prompt position of each group and every response token but the
-last (``ResponseTokens.predictor_index``), and the same rows of each replicated sequence.
+held. Prediction rows (``ResponseTokens``): on a ``PackedBatch`` the last prompt position of each
+group and every response token but the last; on a ``TrajectoryBatch`` the position before each
+trained token along its path, once per packed token however many trajectories train it (the
+result is then handed to each of them); and the same rows of each replicated sequence.
 
 Tensor parallelism: Megatron's output layer leaves the logits split along the vocabulary. The
 full-vocabulary softmax is never formed on one rank: each rank reduces its shard to per-row
@@ -37,6 +39,7 @@ from ..mcore.packed_seq_params import DualKVPackedSeqParams
 from ..mcore.parallel import current_parallel_sizes
 from ..ops.linear_logprobs import linear_logprobs_func
 from ..packing import PackedBatch
+from ..trajectories import TrajectoryBatch
 from .responses import ResponseTokens
 
 LAYOUTS = ("packed", "replicated")
@@ -110,18 +113,21 @@ def _sum_over_shards(x: Tensor, tp_group) -> Tensor:
     return reduce_from_tensor_model_parallel_region(x, group=tp_group)
 
 
-def response_logprobs(model, batch: PackedBatch, layout: str = "packed", with_entropy: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Flat (N,) log-probs (and entropies) of the response tokens of ``batch`` (order: ``ResponseTokens``).
+def response_logprobs(model, batch, layout: str = "packed", with_entropy: bool = False
+                      ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Flat (N,) log-probs (and entropies) of the trained tokens of ``batch``, a ``PackedBatch`` or a
+    ``TrajectoryBatch`` (order: ``ResponseTokens``).
 
     ``layout="packed"`` runs the packed micro-batch with DualKV attention; ``"replicated"`` runs the
-    standard layout (each response after its own prompt copy, right-padded ``[b, s]`` batch, plain
-    causal attention by Megatron's ``DotProductAttention``): the baseline and equivalence oracle.
-    One direct call of ``model``: the whole model on this rank (no pipeline parallelism).
+    standard layout (each response after its own prompt copy, each trajectory whole, as a
+    right-padded ``[b, s]`` batch, plain causal attention by Megatron's ``DotProductAttention``):
+    the baseline and equivalence oracle. One direct call of ``model``: the whole model on this rank
+    (no pipeline parallelism).
     """
     return logprobs_from_output(model, batch, model_output(model, batch, layout), layout, with_entropy)
 
 
-def model_output(model, batch: PackedBatch, layout: str) -> Tensor:
+def model_output(model, batch, layout: str) -> Tensor:
     """Run ``model`` (one pipeline chunk) on ``batch``: on the last pipeline stage its final hidden
     states ``[s, b, h]`` (after the final norm, before the output layer: ``logprobs_from_output``
     projects the rows it needs), on the others the hidden states for the next stage. Under
@@ -133,26 +139,28 @@ def model_output(model, batch: PackedBatch, layout: str) -> Tensor:
 
 
 def logprobs_from_output(
-    model, batch: PackedBatch, hidden: Tensor, layout: str, with_entropy: bool
+    model, batch, hidden: Tensor, layout: str, with_entropy: bool
 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Flat (N,) response-token log-probs (and entropies) from the last stage's ``model_output``.
+    """Flat (N,) trained-token log-probs (and entropies) from the last stage's ``model_output``.
 
     The output layer's weight (the shared embedding when tied), the model's final logit softcap and
     its real (unpadded) vocabulary go to ``linear_logprobs_func`` with the predicting rows only.
     Under context parallelism every rank has the hidden states of its own token slice: it computes
-    the response tokens whose predicting position lies there, and a sum over the CP ranks (forward;
-    identity backward, as the loss that follows is the same on every rank) gives each rank all N.
+    the trained tokens whose predicting position lies there, and a sum over the CP ranks (forward;
+    identity backward, as the loss that follows is the same on every rank) gives each rank all of
+    them.
     """
     gpt = get_attr_wrapped_model(model, "vocab_size", return_model_obj=True)
     tp_group = gpt.pg_collection.tp
     split = tp_group.size() > 1 and gpt.config.sequence_parallel
     if split:
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    tokens = ResponseTokens.of(batch)
     index = None
     if layout == "packed":
-        rows, targets, index = _packed_predictions(gpt, batch, hidden.device)
+        rows, targets, index = _packed_predictions(gpt, batch, tokens, hidden.device)
     else:
-        rows, targets = _replicated_predictions(batch, hidden.device)
+        rows, targets = _replicated_predictions(batch, tokens, hidden.device)
     predicting = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [s, b, h]: row = position * b + sequence
     if tp_group.size() > 1 and not split:
         predicting = copy_to_tensor_model_parallel_region(predicting, group=tp_group)
@@ -167,22 +175,22 @@ def logprobs_from_output(
         softcap=getattr(gpt, "final_logit_softcapping", None),
         with_entropy=with_entropy,
     )
-    if index is None:
+    if layout != "packed":
         return logprobs, entropy
-    num_tokens = ResponseTokens.from_layout(batch.layout).num_tokens
-    return tuple(None if x is None else _gather_over_context_parallel(x, index, num_tokens, gpt.context_parallel_group)
-                 for x in (logprobs, entropy))
+    if index is not None:
+        logprobs, entropy = (None if x is None else _gather_over_context_parallel(x, index, tokens.num_predictions,
+                                                                                  gpt.context_parallel_group)
+                             for x in (logprobs, entropy))
+    return tuple(None if x is None else tokens.expand(x) for x in (logprobs, entropy))
 
 
 def _check_batch(model, batch, layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(batch, PackedBatch):
-        raise ValueError(f"expected a PackedBatch (megatron_dualkv.pack_groups), got {type(batch).__name__}")
-    vocab_size = get_attr_wrapped_model(model, "unpadded_vocab_size")
-    largest = int(batch.tokens.max())
-    if largest >= vocab_size:
-        raise ValueError(f"token id {largest} is outside the model's vocabulary of {vocab_size}")
+    if not isinstance(batch, (PackedBatch, TrajectoryBatch)):
+        raise ValueError(f"expected a PackedBatch (megatron_dualkv.pack_groups) or a TrajectoryBatch "
+                         f"(megatron_dualkv.pack_trajectories), got {type(batch).__name__}")
+    _check_vocabulary(batch, get_attr_wrapped_model(model, "unpadded_vocab_size"))
     sizes = current_parallel_sizes(get_attr_wrapped_model(model, "config"))
     if layout == "replicated" and sizes.cp > 1:
         raise NotImplementedError(
@@ -190,18 +198,32 @@ def _check_batch(model, batch, layout: str) -> None:
             "run the baseline with cp=1"
         )
     if layout == "packed" and batch.num_tokens % sizes.token_multiple:
+        pack = "pack_groups" if isinstance(batch, PackedBatch) else "pack_trajectories"
         raise ValueError(
             f"the micro-batch has {batch.num_tokens} packed tokens, not a multiple of {sizes.token_multiple} "
             f"(context parallelism x sequence parallelism of {sizes}); pack it with "
-            f"pack_groups(..., pad_to_multiple_of={sizes.token_multiple})"
+            f"{pack}(..., pad_to_multiple_of={sizes.token_multiple})"
         )
+
+
+def _check_vocabulary(batch, vocab_size: int) -> None:
+    """ValueError naming the largest token id outside the model's vocabulary (and for a
+    TrajectoryBatch the first trajectory that holds it)."""
+    largest = int(batch.tokens.max())
+    if largest < vocab_size:
+        return
+    where = ""
+    if isinstance(batch, TrajectoryBatch):
+        holder = next(i for i, index in enumerate(batch.trajectory_index) if int(batch.tokens[index].max()) == largest)
+        where = f"trajectory {holder}: "
+    raise ValueError(f"{where}token id {largest} is outside the model's vocabulary of {vocab_size}")
 
 
 def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _packed_output(model, batch: PackedBatch) -> Tensor:
+def _packed_output(model, batch) -> Tensor:
     device = _model_device(model)
     batch = batch.to(device)
     padding = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
@@ -216,42 +238,47 @@ def _packed_output(model, batch: PackedBatch) -> Tensor:
     )
 
 
-def _packed_predictions(model, batch: PackedBatch, device) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(positions in this rank's slice of the packed tokens whose hidden states predict response
-    tokens, on ``device``; their targets; under context parallelism the flat response-token index of
-    each, else None)."""
-    tokens = ResponseTokens.from_layout(batch.layout)
+def _packed_predictions(model, batch, tokens: ResponseTokens, device) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(positions in this rank's slice of the packed tokens whose hidden states predict the distinct
+    trained tokens, on ``device``; their targets; under context parallelism the number of each
+    among those distinct tokens, else None)."""
+    targets = batch.tokens[tokens.distinct(tokens.token_index)]
     if context_parallel_size(model.context_parallel_group) == 1:
-        rows = ResponseTokens.from_layout(batch.layout, device).predictor_index
-        return rows, batch.tokens[tokens.token_index], None
+        here = ResponseTokens.of(batch, device)
+        return here.distinct(here.predictor_index), targets, None
+    predictors = tokens.distinct(tokens.predictor_index)
     local = context_parallel_slice(batch.num_tokens, model.context_parallel_group)
-    index = torch.nonzero((tokens.predictor_index >= local.start) & (tokens.predictor_index < local.stop)).squeeze(1)
-    rows = tokens.predictor_index[index] - local.start
-    return rows.to(device), batch.tokens[tokens.token_index[index]], index.to(device)
+    index = torch.nonzero((predictors >= local.start) & (predictors < local.stop)).squeeze(1)
+    rows = predictors[index] - local.start
+    return rows.to(device), targets[index], index.to(device)
 
 
-def _gather_over_context_parallel(values: Tensor, index: Tensor, num_tokens: int, cp_group) -> Tensor:
-    """This rank's ``values`` at flat positions ``index`` -> all ``num_tokens`` values, on every CP rank."""
-    mine = values.new_zeros(num_tokens).index_add(0, index, values)
+def _gather_over_context_parallel(values: Tensor, index: Tensor, num_values: int, cp_group) -> Tensor:
+    """This rank's ``values`` at positions ``index`` -> all ``num_values`` values, on every CP rank."""
+    mine = values.new_zeros(num_values).index_add(0, index, values)
     return reduce_from_tensor_model_parallel_region(mine, group=cp_group)
 
 
-def _replicated_sequences(batch: PackedBatch) -> List[Tuple[int, int]]:
-    return [(p, r) for p, rs in zip(batch.layout.prompt_lens, batch.layout.response_lens) for r in rs]
+def _replicated_sequences(batch, tokens: ResponseTokens) -> List[Tensor]:
+    """Per response (flat order), the packed index of its replicated sequence: a response after
+    its prompt, a trajectory whole."""
+    if isinstance(batch, PackedBatch):
+        rep = batch.replicated()
+        return rep.split(rep.index)
+    return [batch.trajectory_index[i] for i in tokens.trajectory_of.tolist()]
 
 
-def _replicated_output(model, batch: PackedBatch) -> Tensor:
-    """Each response after its own prompt copy, right-padded to ``[b, s]`` (s a multiple of the
-    sequence-parallel split)."""
+def _replicated_output(model, batch) -> Tensor:
+    """Each response after its own prompt copy, each trajectory whole, right-padded to ``[b, s]``
+    (s a multiple of the sequence-parallel split)."""
     device = _model_device(model)
-    sequences = _replicated_sequences(batch)
-    rep = batch.replicated()
+    sequences = _replicated_sequences(batch, ResponseTokens.of(batch))
     multiple = current_parallel_sizes(get_attr_wrapped_model(model, "config")).token_multiple
-    longest = -(-max(p + r for p, r in sequences) // multiple) * multiple
+    longest = -(-max(len(seq) for seq in sequences) // multiple) * multiple
     input_ids = torch.zeros(len(sequences), longest, dtype=torch.long)
     padding = torch.ones(len(sequences), longest, dtype=torch.bool)
-    for row, seq in enumerate(rep.split(rep.tokens)):
-        input_ids[row, : len(seq)] = seq
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq)] = batch.tokens[seq]
         padding[row, : len(seq)] = False
     input_ids, padding = input_ids.to(device), padding.to(device)
     return model(
@@ -263,12 +290,11 @@ def _replicated_output(model, batch: PackedBatch) -> Tensor:
     )
 
 
-def _replicated_predictions(batch: PackedBatch, device) -> Tuple[Tensor, Tensor]:
-    """(rows of the replicated ``[s, b, h]`` output, flattened to ``[s*b, h]``, that predict response
-    tokens, on ``device``; their targets). Position j of a sequence predicts its token j + 1; a
-    response occupies positions p .. p+r-1 of its sequence."""
-    rep = batch.replicated()
-    sequences = _replicated_sequences(batch)
-    rows = [torch.arange(p - 1, p - 1 + r) * len(sequences) + row for row, (p, r) in enumerate(sequences)]
-    targets = [seq[p : p + r] for seq, (p, r) in zip(rep.split(rep.tokens), sequences)]
-    return torch.cat(rows).to(device), torch.cat(targets)
+def _replicated_predictions(batch, tokens: ResponseTokens, device) -> Tuple[Tensor, Tensor]:
+    """(rows of the replicated ``[s, b, h]`` output, flattened to ``[s*b, h]``, that predict the
+    trained tokens, on ``device``; their targets). Sequence b is response b; a token at logical
+    position p is at position p of its sequence and is predicted by position p - 1 (no sharing:
+    every trained token has its own row)."""
+    positions = batch.position_ids[tokens.token_index]
+    rows = (positions - 1) * tokens.num_responses + tokens.response_id
+    return rows.to(device), batch.tokens[tokens.token_index]

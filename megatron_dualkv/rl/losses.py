@@ -1,7 +1,11 @@
-"""GRPO and DAPO policy losses on the packed layout's response tokens.
+"""GRPO and DAPO policy losses on the packed layouts' trained tokens.
 
-Every tensor is flat over response tokens (order: ``ResponseTokens``); advantages are one per
-response. Per token ``t`` of response ``i`` with advantage ``A_i``:
+Every tensor is flat over the trained tokens (order: ``ResponseTokens``): the response tokens of
+a ``PackedBatch``, or the loss-masked tokens of each trajectory of a ``TrajectoryBatch``, where a
+token that several trajectories share and train appears once per trajectory. Advantages are one
+per response (trajectory). So the loss is defined on the original trajectories: a shared token
+counts once per trajectory that trains it, each time with that trajectory's advantage, and in
+that trajectory's mean. Per token ``t`` of response ``i`` with advantage ``A_i``:
 
     ratio_t   = exp(clamp(logp_t - old_logp_t, -20, 20))
     pg_t      = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
@@ -30,11 +34,12 @@ The names and meanings follow verl's ``compute_policy_loss_vanilla`` (``core_alg
   each response's tokens, whenever rollout log-probs are given.
 
 GRPO: symmetric clip, optional KL, "sequence-mean" aggregation (mean over each response's
-tokens, then over the micro-batch's responses). DAPO: asymmetric clip (eps_high > eps_low,
-"clip-higher"), no KL by default, "token-mean" aggregation (all response tokens of the
+tokens, then over the micro-batch's responses; a trajectory without trained tokens has no mean
+and does not count, as verl's ``exclude_fully_masked_seq``). DAPO: asymmetric clip (eps_high >
+eps_low, "clip-higher"), no KL by default, "token-mean" aggregation (all trained tokens of the
 micro-batch weigh the same, so long responses are not down-weighted).
 
-Both divide by the micro-batch's own count (responses, or response tokens) unless given a
+Both divide by the micro-batch's own count (responses with trained tokens, or trained tokens) unless given a
 ``normalizer``: then the sum is divided by it. One batch split over several micro-batches (and DP
 ranks) accumulates exactly the gradient of the whole batch when the normaliser is the whole
 batch's count over (micro-batches x DP ranks), because Megatron's schedule divides every
@@ -90,7 +95,8 @@ def group_normalized_advantages(rewards: Sequence[Tensor], eps: float = 1e-6) ->
     has no contrast and gets advantage 0.
     """
     if rewards is None:
-        raise ValueError("advantages need rewards: pack the groups with RolloutGroup.rewards, or pass advantages")
+        raise ValueError("advantages need rewards: pack the groups with RolloutGroup.rewards (the trajectories with "
+                         "Trajectory.reward), or pass advantages")
     out = []
     for r in rewards:
         r = torch.as_tensor(r, dtype=torch.float32)
@@ -118,8 +124,9 @@ def clipped_policy_loss(
 ) -> PolicyLossOutput:
     """The clipped surrogate of the module docstring; shared by ``GRPOLoss`` and ``DAPOLoss``.
 
-    normalizer: None for the mean over this micro-batch; else the sum (of token losses for
-    "token-mean", of per-response mean token losses for "sequence-mean") divided by it.
+    normalizer: None for the mean over this micro-batch (over its trained tokens for "token-mean",
+    over its responses with trained tokens for "sequence-mean"); else the sum (of token losses, of
+    per-response mean token losses) divided by it.
     clip_ratio_c: the dual clip's bound (None: off). rollout_logprobs: the inference engine's
     log-probs of the response tokens; tis_cap: the truncated importance weight's cap (needs them).
     """
@@ -152,8 +159,11 @@ def clipped_policy_loss(
         token_loss = token_loss + kl_coef * kl
         metrics["kl"] = tokens.response_mean(kl.detach())
     metrics["loss"] = tokens.response_mean(token_loss.detach())
-    terms = token_loss if aggregation == "token-mean" else tokens.response_mean(token_loss)
-    loss = terms.mean() if normalizer is None else terms.sum() / normalizer
+    if aggregation == "token-mean":
+        terms, count = token_loss, tokens.num_tokens
+    else:
+        terms, count = tokens.response_mean(token_loss), tokens.num_trained_responses
+    loss = terms.sum() / (max(count, 1) if normalizer is None else normalizer)
     return PolicyLossOutput(loss, {name: tokens.split_groups(value) for name, value in metrics.items()})
 
 

@@ -5,6 +5,9 @@ scaling over micro-batches, DDP gradient-sync deferral and the MoE auxiliary-los
 in any Megatron training step; ``rl_forward_step`` is the matching Megatron ``forward_step_func``
 for loops that call the schedule themselves.
 
+A micro-batch is a ``PackedBatch`` (``pack_groups``: prompts and responses) or a
+``TrajectoryBatch`` (``pack_trajectories``: prefix trees of trajectories); per-response results
+are nested per group, per response, where a trajectory is a response (``ResponseTokens``).
 Whatever the parallel layout, every rank gets the full per-response results: under context
 parallelism the per-token log-probs are gathered over the CP ranks (``logprobs``), under pipeline
 parallelism the last stage's results are broadcast to the other stages.
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -22,8 +25,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from ..layout import DualKVLayout
+from ..layout import DualKVLayout, TreeLayout
 from ..packing import PackedBatch
+from ..trajectories import TrajectoryBatch, predictor_index
 from .logprobs import LAYOUTS, logprobs_from_output, model_output, response_logprobs
 from .losses import PolicyLoss
 from .responses import ResponseTokens
@@ -33,16 +37,17 @@ from .responses import ResponseTokens
 class RLMicroBatch:
     """One packed micro-batch and what the policy loss needs besides the current log-probs.
 
-    old_logprobs / ref_logprobs / rollout_logprobs: per group, per response (R_i,) tensors, as
-    ``forward_logprobs`` returns them (behaviour policy; reference policy, for a KL term; the
-    inference engine's log-probs of the sampled tokens, for the loss's rollout correction).
-    advantages: (num_responses,) flat over responses; by default the loss derives them from
-    ``batch.rewards``. is_padding: a padding micro-batch of a plan (``PlannedMicroBatch.is_padding``,
-    run so that every rank runs as many micro-batches): its loss is exactly 0, with no gradient,
-    and needs none of the above.
+    batch: a ``PackedBatch`` or a ``TrajectoryBatch`` (whose trajectories are its responses).
+    old_logprobs / ref_logprobs / rollout_logprobs: per group, per response (R_i,) tensors of its
+    trained tokens, as ``forward_logprobs`` returns them (behaviour policy; reference policy, for a
+    KL term; the inference engine's log-probs of the sampled tokens, for the loss's rollout
+    correction). advantages: (num_responses,) flat over responses (``ResponseTokens`` order); by
+    default the loss derives them from the batch's rewards, per group. is_padding: a padding
+    micro-batch of a plan (``PlannedMicroBatch.is_padding``, run so that every rank runs as many
+    micro-batches): its loss is exactly 0, with no gradient, and needs none of the above.
     """
 
-    batch: PackedBatch
+    batch: Union[PackedBatch, TrajectoryBatch]
     old_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
     ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
     advantages: Optional[Tensor] = None
@@ -83,8 +88,9 @@ def rl_forward_step(loss_fn: Optional[PolicyLoss] = None, layout: str = "packed"
     return forward_step
 
 
-def forward_logprobs(model, batch: PackedBatch, layout: str = "packed") -> List[List[Tensor]]:
-    """Per group, per response, the (R_i,) float32 log-probs of the response tokens under ``model``.
+def forward_logprobs(model, batch, layout: str = "packed") -> List[List[Tensor]]:
+    """Per group, per response, the (R_i,) float32 log-probs of the trained tokens of ``batch`` (a
+    ``PackedBatch`` or a ``TrajectoryBatch``) under ``model``.
 
     ``layout``: "packed" (DualKV attention) or "replicated" (the standard layout: the baseline and
     equivalence oracle). Differentiable (runs under the caller's grad mode), except under pipeline
@@ -93,13 +99,33 @@ def forward_logprobs(model, batch: PackedBatch, layout: str = "packed") -> List[
     """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         logprobs, _ = response_logprobs(model, batch, layout)
-        return ResponseTokens.from_layout(batch.layout).split(logprobs)
+        return ResponseTokens.of(batch).split(logprobs)
     if parallel_state.get_virtual_pipeline_model_parallel_world_size():
         raise ValueError(
             "the interleaved pipeline schedule runs at least pp micro-batches together: collect log-probs with "
             "forward_backward(model, [RLMicroBatch(batch) for batch in batches])"
         )
     return forward_backward(model, [RLMicroBatch(batch)], layout=layout)[0].logprobs
+
+
+def trajectory_logprobs(model, batch: TrajectoryBatch, layout: str = "packed") -> List[Tensor]:
+    """Per trajectory of ``batch`` (input order), the (L_i - 1,) float32 log-probs
+    ``log p(token t | tokens < t)``, t = 1..L_i-1, whatever its loss mask; as ``forward_logprobs``
+    (a token that trajectories share is computed once, with DualKV attention on the packed trees,
+    or on each trajectory's own sequence with ``layout="replicated"``).
+    """
+    if not isinstance(batch, TrajectoryBatch):
+        raise ValueError(f"trajectory_logprobs takes a TrajectoryBatch (megatron_dualkv.pack_trajectories), "
+                         f"got {type(batch).__name__}")
+    every = TrajectoryBatch(batch.tokens, batch.layout, batch.trajectory_index, batch.predictor_index,
+                            [torch.ones_like(mask) for mask in batch.loss_masks], batch.rewards, batch.groups,
+                            batch.group_index, batch.trajectory_segments)
+    nested = forward_logprobs(model, every, layout)
+    order = ResponseTokens.of(every).trajectory_of.tolist()
+    out: List[Optional[Tensor]] = [None] * batch.num_trajectories
+    for i, values in zip(order, (values for group in nested for values in group)):
+        out[i] = values
+    return out
 
 
 def forward_backward(
@@ -157,13 +183,18 @@ def _same_length(micro_batches: List[RLMicroBatch], layout: str) -> List[RLMicro
     return [replace(mb, batch=_padded(mb.batch, longest)) for mb in micro_batches]
 
 
-def _padded(batch: PackedBatch, num_tokens: int) -> PackedBatch:
+def _padded(batch, num_tokens: int):
+    """``batch`` with padding up to ``num_tokens`` packed tokens (more of its padding segment)."""
     extra = num_tokens - batch.num_tokens
     if not extra:
         return batch
-    layout = batch.layout
-    longer = DualKVLayout(layout.prompt_lens, layout.response_lens, layout.pad_len + extra, layout.device)
-    return PackedBatch(torch.cat([batch.tokens, batch.tokens.new_zeros(extra)]), longer, batch.rewards)
+    layout, tokens = batch.layout, torch.cat([batch.tokens, batch.tokens.new_zeros(extra)])
+    if isinstance(batch, PackedBatch):
+        longer = DualKVLayout(layout.prompt_lens, layout.response_lens, layout.pad_len + extra, layout.device)
+        return PackedBatch(tokens, longer, batch.rewards)
+    longer = TreeLayout(layout.segment_lens, layout.segment_parent, layout.pad_len + extra, layout.device)
+    return TrajectoryBatch(tokens, longer, batch.trajectory_index, predictor_index(longer).to(tokens.device),
+                           batch.loss_masks, batch.rewards, batch.groups, batch.group_index, batch.trajectory_segments)
 
 
 def _from_last_pipeline_stage(outputs: List[RLStepOutput], device: torch.device) -> List[RLStepOutput]:
@@ -197,7 +228,7 @@ def _checked(micro_batch) -> RLMicroBatch:
 
 
 def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, hidden: Tensor):
-    tokens = ResponseTokens.from_layout(micro_batch.batch.layout, hidden.device)
+    tokens = ResponseTokens.of(micro_batch.batch, hidden.device)
     logprobs, entropy = logprobs_from_output(model, micro_batch.batch, hidden, layout, with_entropy)
     output = RLStepOutput(logprobs=tokens.split(logprobs.detach()))
     if entropy is not None:
@@ -212,7 +243,7 @@ def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_en
         raise ValueError("a policy loss needs the micro-batch's old_logprobs (forward_logprobs of the behaviour policy)")
     advantages = micro_batch.advantages
     if advantages is None:
-        advantages = loss_fn.advantages(micro_batch.batch.rewards)
+        advantages = loss_fn.advantages(tokens.group_rewards(micro_batch.batch))
     ref, rollout = micro_batch.ref_logprobs, micro_batch.rollout_logprobs
     # rollout log-probs only where given: a PolicyLoss without rollout correction need not take them
     extra = {} if rollout is None else {"rollout_logprobs": tokens.flatten(rollout, "rollout_logprobs")}
