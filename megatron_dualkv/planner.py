@@ -1,4 +1,5 @@
-"""Micro-batch planning for packed GRPO/DAPO rollouts: ``plan_micro_batches(groups, max_tokens, dp_size)``.
+"""Micro-batch planning for packed GRPO/DAPO rollouts: ``plan_micro_batches(groups, max_tokens, dp_size)``,
+for rollout groups (prompt and responses) or for trajectories that share prefixes at any depth.
 
 A group's responses stay with their prompt: the prompt is then computed once for all of them.
 A group longer than the token budget is split into sub-groups that each carry the prompt. That
@@ -39,6 +40,21 @@ Algorithm (deterministic):
    log-probs are its own current ones, and the whole loss does in ``RLMicroBatch(...,
    is_padding=True)`` (MoE load-balancing losses do see the dummy's two tokens).
 
+Trajectories (``Trajectory`` items, or a ``TrajectoryBatch``): the same steps with prefix trees in
+place of groups. A tree (the trajectories of a group that share their first token, packed as by
+``pack_trajectories``) stays whole when it fits: a subtree stays with its ancestor path. A tree
+over the budget is split into parts that each carry their path from the root, exact for the same
+reason as a sub-group: a trajectory's states depend on its own path only. Splitting descends to
+the first segment where the trajectories branch (their common path is the part's head); the
+branches there (and each trajectory that ends there) are the pieces, split in turn where one
+does not fit with the head, and the pieces go into the fewest parts the greedy packing of step 3
+finds. Halving for an idle rank splits at that same segment into two parts of balanced cost. The
+cost model is the same: tokens + attention_weight x attention pairs, where a token at logical
+position p adds p + 1 pairs wherever it is packed. A micro-batch's tokens are those of the union
+of its trajectories' paths (two parts of a tree in one micro-batch share their head again).
+Trajectories are numbered as in ``pack_trajectories``: group by group (``trajectory_groups``),
+trajectory by trajectory, in that flat order ``response_index`` counts them.
+
 Normalisation: Megatron's schedule divides each micro-batch loss by ``M`` and DDP averages
 gradients over DP ranks, so a loss that divides by its micro-batch's own count is not the loss of
 the whole batch. ``MicroBatchPlan.loss_normalizer(aggregation)`` is the divisor that makes the
@@ -48,13 +64,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .layout import DualKVLayout, causal_pairs
+from .layout import PackedLayout, SegmentNode, causal_pairs
 from .packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
-from .trajectories import Trajectory
+from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories
 
 DEFAULT_ATTENTION_WEIGHT = 2.0**-14
 
@@ -99,7 +115,7 @@ class CostModel:
         """The planner's weight of an attention pair against a token."""
         return self.pair_flops / self.token_flops
 
-    def layout_flops(self, layout: DualKVLayout, predicting_rows: Optional[int] = None) -> float:
+    def layout_flops(self, layout: PackedLayout, predicting_rows: Optional[int] = None) -> float:
         """Forward FLOPs of the tokens and attention pairs of ``layout``, padding excluded, with the
         output layer on ``predicting_rows`` rows (default: every token)."""
         tokens = layout.total_tokens - layout.pad_len
@@ -107,7 +123,7 @@ class CostModel:
         pairs = layout.attention_pairs() - causal_pairs(layout.pad_len)
         return (self.token_flops - self.output_flops) * tokens + self.output_flops * rows + self.pair_flops * pairs
 
-    def layer_flops(self, layout: DualKVLayout, num_layers: int) -> float:
+    def layer_flops(self, layout: PackedLayout, num_layers: int) -> float:
         """Forward FLOPs of one (average) decoder layer on ``layout``: what recomputing it costs."""
         return self.layout_flops(layout, predicting_rows=0) / num_layers
 
@@ -122,7 +138,8 @@ def moe_layer_flags(config) -> List[int]:
 
 @dataclass(frozen=True)
 class _Item:
-    """A group or a sub-group: the prompt of ``group`` with the responses ``responses`` (indices)."""
+    """A group or a sub-group: the prompt of ``group`` with the responses ``responses`` (indices);
+    for trajectories a tree or a part of one: trajectories ``responses`` (indices in their group)."""
 
     group: int
     responses: Tuple[int, ...]
@@ -132,17 +149,22 @@ class _Item:
 
 @dataclass(frozen=True)
 class PlannedMicroBatch:
-    """One micro-batch of a plan: (sub-)groups of the input groups, each with its whole prompt.
+    """One micro-batch of a plan: (sub-)groups of the input groups, each with its whole prompt, or
+    trajectories of the input, each with its whole path.
 
     groups:           the ``RolloutGroup`` s to pack: an input group's prompt with all or some of
-                      its responses (and their rewards); empty for a padding micro-batch
-    source_groups:    for each of ``groups``, its index in the planner's input
-    source_responses: for each of ``groups``, the indices of its responses in that input group
+                      its responses (and their rewards); empty for a padding micro-batch and for
+                      trajectories
+    source_groups:    for each of ``groups`` (each group of ``trajectories``), its index in the
+                      planner's input (its number in ``trajectory_groups`` order)
+    source_responses: for each of those, the indices of its responses (trajectories) in that group
     response_index:   (num_responses,) int64: where each response of the micro-batch (packed
-                      order) sits in the flat response order of the whole input (group by group,
-                      response by response)
-    num_tokens:       packed tokens (prompts counted once per sub-group; before any padding)
+                      order; ``ResponseTokens`` order for trajectories) sits in the flat response
+                      order of the whole input (group by group, response by response)
+    num_tokens:       packed tokens (prompts counted once per sub-group, shared prefixes once;
+                      before any padding)
     cost:             estimated cost (module docstring)
+    trajectories:     the ``Trajectory`` s to pack, group by group; empty for rollout groups
     """
 
     groups: Tuple[RolloutGroup, ...]
@@ -151,14 +173,17 @@ class PlannedMicroBatch:
     response_index: torch.Tensor
     num_tokens: int
     cost: float
+    trajectories: Tuple[Trajectory, ...] = ()
 
     @property
     def is_padding(self) -> bool:
-        return not self.groups
+        return not self.groups and not self.trajectories
 
-    def pack(self, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
-        """``pack_groups`` of this micro-batch; a padding micro-batch packs as one dummy group of
-        ``pad_token_id`` (1-token prompt, 1-token response, reward 0)."""
+    def pack(self, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> Union[PackedBatch, TrajectoryBatch]:
+        """``pack_groups`` (``pack_trajectories``) of this micro-batch; a padding micro-batch packs
+        as one dummy group of ``pad_token_id`` (1-token prompt, 1-token response, reward 0)."""
+        if self.trajectories:
+            return pack_trajectories(self.trajectories, pad_to_multiple_of, pad_token_id)
         groups = self.groups or (RolloutGroup([pad_token_id], [[pad_token_id]], rewards=[0.0]),)
         return pack_groups(groups, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id)
 
@@ -176,8 +201,10 @@ class PlannedMicroBatch:
 class MicroBatchPlan:
     """Micro-batches per data-parallel rank: ``ranks[dp_rank][i]``; every rank has ``num_micro_batches``.
 
-    num_responses / response_tokens: responses and response tokens of the whole input.
-    rollout_tokens: tokens of the replicated layout (every response with its own prompt copy).
+    num_responses / response_tokens: responses and response tokens of the whole input
+                    (trajectories with a trained token, and trained tokens counted per trajectory).
+    rollout_tokens: tokens of the replicated layout (every response with its own prompt copy,
+                    every trajectory whole).
     packed_tokens:  tokens of all real micro-batches (a prompt once per sub-group).
     """
 
@@ -210,37 +237,46 @@ class MicroBatchPlan:
 
         aggregation: "sequence-mean" (sum of per-response mean token losses over all responses)
         or "token-mean" (sum of token losses over all response tokens); the divisor is that count
-        over ``M * dp_size``.
+        over ``M * dp_size`` (a count of at least 1: trajectories that train no token make every
+        loss 0, whatever it is divided by).
         """
         counts = {"sequence-mean": self.num_responses, "token-mean": self.response_tokens}
         if aggregation not in counts:
             raise ValueError(f"aggregation must be one of {sorted(counts)}, got {aggregation!r}")
-        return counts[aggregation] / (self.num_micro_batches * self.dp_size)
+        return max(counts[aggregation], 1) / (self.num_micro_batches * self.dp_size)
 
 
 def plan_micro_batches(
-    groups: Sequence[RolloutGroup],
+    groups: Union[Sequence[RolloutGroup], Sequence[Trajectory], TrajectoryBatch],
     max_tokens: int,
     dp_size: int = 1,
     attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
 ) -> MicroBatchPlan:
     """Plan packed micro-batches of at most ``max_tokens`` tokens for ``dp_size`` data-parallel ranks.
 
+    groups: ``RolloutGroup`` s, or trajectories (``Trajectory`` s or a ``TrajectoryBatch``).
     See the module docstring for what is kept together, the cost model, the balance guarantee and
     padding. Raises ValueError on ``max_tokens < 1``, ``dp_size < 1``, a negative attention weight,
     no groups, a group without responses or with an empty prompt or response, and a prompt plus
-    one response longer than ``max_tokens`` (no micro-batch could hold it).
+    one response longer than ``max_tokens`` (no micro-batch could hold it); for trajectories on
+    what ``pack_trajectories`` refuses and on a trajectory longer than ``max_tokens``, each
+    named by its input number.
     """
     for name, value in (("max_tokens", max_tokens), ("dp_size", dp_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if not attention_weight >= 0:
         raise ValueError(f"attention_weight must be >= 0, got {attention_weight!r}")
+    if isinstance(groups, TrajectoryBatch):
+        groups = _trajectories_of(groups)
     groups = list(groups)
+    if groups and isinstance(groups[0], Trajectory):
+        return _plan_trajectories(groups, max_tokens, dp_size, attention_weight)
     _check_groups(groups, max_tokens)
     cost = _item_cost(groups, attention_weight)
     items = [item for g in range(len(groups)) for item in _split_to_budget(groups, g, max_tokens, cost)]
-    items = _split_until_every_rank_has_work(groups, items, dp_size, max_tokens, cost)
+    items = _split_until_every_rank_has_work(
+        items, dp_size, lambda item: _split_group(groups, item, max_tokens, cost, parts=2))
     per_rank = _assign_to_ranks(items, dp_size)
     bins_per_rank = _pack_ranks(per_rank, max_tokens)
     offsets = list(accumulate((len(g.responses) for g in groups), initial=0))
@@ -323,7 +359,8 @@ def _split_group(groups, item: _Item, max_tokens: int, cost, parts: Optional[int
     return [cost(item.group, [item.responses[i] for i in b]) for b in bins if b]
 
 
-def _split_until_every_rank_has_work(groups, items: List[_Item], dp_size: int, max_tokens: int, cost) -> List[_Item]:
+def _split_until_every_rank_has_work(items: List[_Item], dp_size: int, halves: Callable[[_Item], List[_Item]]
+                                     ) -> List[_Item]:
     items = list(items)
     while len(items) < dp_size:
         splittable = [item for item in items if len(item.responses) > 1]
@@ -331,7 +368,7 @@ def _split_until_every_rank_has_work(groups, items: List[_Item], dp_size: int, m
             break
         costliest = max(splittable, key=lambda item: item.cost)
         items.remove(costliest)
-        items += _split_group(groups, costliest, max_tokens, cost, parts=2)
+        items += halves(costliest)
     return items
 
 
@@ -366,16 +403,17 @@ def _bins(sizes: Sequence[int], costs: Sequence[float], count: int, capacity: in
 
     Balanced first: costliest entry first, each to the cheapest bin with room. When that spreads
     the entries so that one finds no room, first-fit decreasing (largest first, each to the first
-    bin with room), which packs tighter; bins it leaves empty then take an entry from the bins
-    holding the most, so that a bin is empty only when there are fewer entries than bins.
+    bin with room), which packs tighter. Bins left empty then take an entry from the bins holding
+    the most, so that a bin is empty only when there are fewer entries than bins (the balanced
+    placement leaves one empty that way only for entries of no size and cost: trajectories that
+    end inside the head of a tree's part).
     """
     entries = range(len(sizes))
     bins = _greedy_bins(sizes, costs, count, capacity, sorted(entries, key=lambda i: (-costs[i], -sizes[i], i)),
                         lambda room, loads, fill: min(room, key=lambda b: (loads[b], fill[b], b)))
-    if bins is not None:
-        return bins
-    bins = _greedy_bins(sizes, costs, count, capacity, sorted(entries, key=lambda i: (-sizes[i], -costs[i], i)),
-                        lambda room, loads, fill: room[0])
+    if bins is None:
+        bins = _greedy_bins(sizes, costs, count, capacity, sorted(entries, key=lambda i: (-sizes[i], -costs[i], i)),
+                            lambda room, loads, fill: room[0])
     if bins is None:
         return None
     for empty in [b for b in bins if not b]:
@@ -416,4 +454,152 @@ def _micro_batch(groups: List[RolloutGroup], offsets: List[int], items: List[_It
         response_index=torch.tensor([offsets[item.group] + i for item in items for i in item.responses], dtype=torch.long),
         num_tokens=sum(item.tokens for item in items),
         cost=sum(item.cost for item in items),
+    )
+
+
+# ------------------------------------------------------------------------------ trajectories
+def _trajectories_of(batch: TrajectoryBatch) -> List[Trajectory]:
+    """The trajectories a ``TrajectoryBatch`` was packed from."""
+    rewards = [None] * batch.num_trajectories if batch.rewards is None else batch.rewards.tolist()
+    groups = batch.groups or (None,) * batch.num_trajectories
+    return [Trajectory(batch.tokens[index].tolist(), mask.tolist(), reward, group)
+            for index, mask, reward, group in zip(batch.trajectory_index, batch.loss_masks, rewards, groups)]
+
+
+@dataclass(frozen=True)
+class _Forest:
+    """The prefix trees of the planner's trajectories as ``pack_trajectories`` finds them.
+
+    nodes: the segments of the packed input; paths: per trajectory, (segment, tokens of it on the
+    path) root first; weight: the attention weight of the cost model.
+    """
+
+    nodes: Tuple[SegmentNode, ...]
+    paths: Tuple[Tuple[Tuple[int, int], ...], ...]
+    weight: float
+
+    @classmethod
+    def of(cls, batch: TrajectoryBatch, weight: float) -> "_Forest":
+        nodes = batch.layout.nodes
+        paths = tuple(
+            tuple((s, nodes[s].length) for s in segments[:-1]) + ((segments[-1], n - nodes[segments[-1]].position),)
+            for segments, n in zip(batch.trajectory_segments, batch.trajectory_lens)
+        )
+        return cls(nodes, paths, weight)
+
+    def tokens_and_cost(self, members: Sequence[int]) -> Tuple[int, float]:
+        """Packed tokens and cost of the union of the members' paths."""
+        taken: Dict[int, int] = {}
+        for i in members:
+            for s, n in self.paths[i]:
+                taken[s] = max(taken.get(s, 0), n)
+        tokens = sum(taken.values())
+        starts = ((self.nodes[s].position, n) for s, n in taken.items())
+        pairs = sum(causal_pairs(p + n) - causal_pairs(p) for p, n in starts)
+        return tokens, tokens + self.weight * pairs
+
+    def branch_depth(self, members: Sequence[int]) -> int:
+        """The depth (0: the root) of the first segment of the members' common path after which
+        they part, or where one of them ends."""
+        depth = 0
+        while all(len(self.paths[i]) > depth + 1 for i in members) and \
+                len({self.paths[i][depth + 1][0] for i in members}) == 1:
+            depth += 1
+        return depth
+
+    def pieces(self, members: Sequence[int], depth: int) -> List[List[int]]:
+        """The members below segment ``depth`` of their common path: each member that ends in it
+        alone, the others by the child segment they continue through (in order of first occurrence)."""
+        ending = [[i] for i in members if len(self.paths[i]) == depth + 1]
+        by_child: Dict[int, List[int]] = {}
+        for i in members:
+            if len(self.paths[i]) > depth + 1:
+                by_child.setdefault(self.paths[i][depth + 1][0], []).append(i)
+        return ending + list(by_child.values())
+
+
+def _split_tree(forest: _Forest, members: List[int], capacity: int, parts: Optional[int] = None) -> List[List[int]]:
+    """``members`` (trajectories of one tree) in parts of at most ``capacity`` tokens that each
+    carry their whole path: the fewest parts the greedy packing finds, or ``parts`` (module docstring)."""
+    depth = forest.branch_depth(members)
+    node = forest.nodes[forest.paths[members[0]][depth][0]]
+    head = node.position + max(forest.paths[i][depth][1] for i in members)  # the common path's tokens
+    head_cost = head + forest.weight * causal_pairs(head)
+    pieces = []
+    for piece in forest.pieces(members, depth):
+        fits = forest.tokens_and_cost(piece)[0] <= capacity
+        pieces += [piece] if fits else _split_tree(forest, piece, capacity)
+    room = capacity - head
+    sizes, costs = [], []
+    for piece in pieces:
+        tokens, cost = forest.tokens_and_cost(piece)
+        sizes.append(max(0, tokens - head))
+        costs.append(max(0.0, cost - head_cost))
+    count = parts or max(1, -(-sum(sizes) // max(room, 1)))
+    bins = None
+    while bins is None:
+        bins = _bins(sizes, costs, count, room)
+        count += 1
+    return [sorted(i for p in b for i in pieces[p]) for b in bins if b]
+
+
+def _plan_trajectories(trajectories: List[Trajectory], max_tokens: int, dp_size: int,
+                       attention_weight: float) -> MicroBatchPlan:
+    whole = pack_trajectories(trajectories)  # checks every trajectory, named by its input number
+    for i, n in enumerate(whole.trajectory_lens):
+        if n > max_tokens:
+            raise ValueError(f"trajectory {i} has {n} tokens, more than max_tokens={max_tokens}; "
+                             "raise the micro-batch token budget")
+    forest = _Forest.of(whole, attention_weight)
+    members_of = trajectory_groups(trajectories)
+    group_of, position_of = {}, {}
+    for g, members in enumerate(members_of):
+        for position, i in enumerate(members):
+            group_of[i], position_of[i] = g, position
+
+    def item(members: Sequence[int]) -> _Item:
+        tokens, cost = forest.tokens_and_cost(members)
+        return _Item(group_of[members[0]], tuple(sorted(position_of[i] for i in members)), tokens, cost)
+
+    def members(it: _Item) -> List[int]:
+        return [members_of[it.group][position] for position in it.responses]
+
+    trees: Dict[Tuple[int, int], List[int]] = {}  # (group, root segment) -> its trajectories
+    for i, path in enumerate(forest.paths):
+        trees.setdefault((group_of[i], path[0][0]), []).append(i)
+    items = []
+    for tree in trees.values():
+        fits = forest.tokens_and_cost(tree)[0] <= max_tokens
+        items += [item(tree)] if fits else [item(part) for part in _split_tree(forest, tree, max_tokens)]
+    items = _split_until_every_rank_has_work(
+        items, dp_size, lambda it: [item(part) for part in _split_tree(forest, members(it), max_tokens, parts=2)])
+    bins_per_rank = _pack_ranks(_assign_to_ranks(items, dp_size), max_tokens)
+    offsets = list(accumulate((len(m) for m in members_of), initial=0))
+    ranks = tuple(tuple(_trajectory_micro_batch(trajectories, forest, members_of, offsets, bin_items)
+                        for bin_items in bins) for bins in bins_per_rank)
+    trained = [int(mask[1:].sum()) for mask in whole.loss_masks]
+    return MicroBatchPlan(
+        ranks=ranks,
+        num_responses=sum(n > 0 for n in trained),
+        response_tokens=sum(trained),
+        rollout_tokens=sum(whole.trajectory_lens),
+        packed_tokens=sum(mb.num_tokens for mbs in ranks for mb in mbs),
+    )
+
+
+def _trajectory_micro_batch(trajectories: List[Trajectory], forest: _Forest, members_of: List[List[int]],
+                            offsets: List[int], items: List[_Item]) -> PlannedMicroBatch:
+    # group by group, trajectory by trajectory: pack_trajectories then keeps this order (ResponseTokens)
+    pairs = sorted((item.group, position) for item in items for position in item.responses)
+    members = [members_of[g][position] for g, position in pairs]
+    tokens, cost = forest.tokens_and_cost(members)
+    source_groups = tuple(sorted({g for g, _ in pairs}))
+    return PlannedMicroBatch(
+        groups=(),
+        source_groups=source_groups,
+        source_responses=tuple(tuple(p for g, p in pairs if g == group) for group in source_groups),
+        response_index=torch.tensor([offsets[g] + position for g, position in pairs], dtype=torch.long),
+        num_tokens=tokens,
+        cost=cost,
+        trajectories=tuple(trajectories[i] for i in members),
     )

@@ -7,7 +7,8 @@ number of mini-batches, and ``ppo_epochs``; its Megatron actor's ``make_minibatc
 ``shuffle=False``, its default):
 
 1. ``plan_mini_batches(groups, M, max_tokens, advantages, ...)``: mini-batch ``j`` holds the groups
-   ``[j G/M, (j+1) G/M)`` of the rollout batch, in every epoch (no shuffling: its plan and its
+   ``[j G/M, (j+1) G/M)`` of the rollout batch (rollout groups, or the groups of trajectories,
+   ``trajectory_groups``), in every epoch (no shuffling: its plan and its
    behaviour log-probs are computed once, and a resumed run repeats the same updates), planned
    into packed micro-batches for the DP ranks (``plan_micro_batches``) with its share of the
    advantages (computed by the caller on whole groups) and its own loss normaliser
@@ -27,16 +28,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import accumulate
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
 from ..packing import RolloutGroup
-from ..planner import DEFAULT_ATTENTION_WEIGHT, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches
+from ..planner import DEFAULT_ATTENTION_WEIGHT, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches, trajectory_groups
+from ..trajectories import Trajectory
 from .losses import PolicyLoss
 from .step import RLMicroBatch, RLStepOutput, forward_backward
 
-Nested = List[List[Tensor]]  # per group, per response, an (R_i,) tensor
+Nested = List[List[Tensor]]  # per group, per response (trajectory), an (R_i,) tensor
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class MiniBatch:
 
     def share(self, per_group: Sequence[Sequence[Tensor]]) -> List[Optional[Nested]]:
         """Per-response values of the whole rollout batch (per group, per response: rollout
-        log-probs) -> per micro-batch of this rank, its responses' values (None for padding)."""
+        log-probs; for trajectories per group of ``trajectory_groups``, per trajectory) -> per
+        micro-batch of this rank, its responses' values (None for padding)."""
         return [None if mb.is_padding else self._responses_of(mb, per_group) for mb in self.planned]
 
     def _responses_of(self, planned: PlannedMicroBatch, per_group: Sequence[Sequence[Tensor]]) -> Nested:
@@ -97,7 +100,7 @@ class PPOUpdate:
 
 
 def plan_mini_batches(
-    groups: Sequence[RolloutGroup],
+    groups: Union[Sequence[RolloutGroup], Sequence[Trajectory]],
     num_mini_batches: int,
     max_tokens: int,
     advantages: Tensor,
@@ -111,6 +114,7 @@ def plan_mini_batches(
     groups each, planned (``plan_micro_batches(max_tokens, dp_size, attention_weight)``) and
     packed (``pad_to_multiple_of``: ``ParallelSizes.token_multiple``) for DP rank ``dp_rank``.
 
+    groups: ``RolloutGroup`` s, or ``Trajectory`` s (their groups are ``trajectory_groups``).
     advantages: (num_responses,) of the whole rollout batch, flat in its order (group by group):
     ``loss_fn.advantages`` of the rewards of all groups. ValueError when the groups do not split
     into ``num_mini_batches`` equal parts or the advantages do not match the responses.
@@ -119,17 +123,21 @@ def plan_mini_batches(
         raise ValueError(f"num_mini_batches must be a positive int, got {num_mini_batches!r}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
-    if not groups or len(groups) % num_mini_batches:
-        raise ValueError(f"{len(groups)} rollout groups do not split into {num_mini_batches} mini-batches of equal size")
-    offsets = list(accumulate((len(g.responses) for g in groups), initial=0))
+    groups = list(groups)
+    members = trajectory_groups(groups) if groups and isinstance(groups[0], Trajectory) else None
+    units = groups if members is None else members
+    if not units or len(units) % num_mini_batches:
+        raise ValueError(f"{len(units)} rollout groups do not split into {num_mini_batches} mini-batches of equal size")
+    offsets = list(accumulate((len(g.responses) for g in groups) if members is None else map(len, members), initial=0))
     if tuple(advantages.shape) != (offsets[-1],):
         raise ValueError(f"advantages must have one value per response of the rollout batch ({offsets[-1]}), "
                          f"got shape {tuple(advantages.shape)}")
-    size = len(groups) // num_mini_batches
+    size = len(units) // num_mini_batches
     mini_batches = []
-    for first in range(0, len(groups), size):
+    for first in range(0, len(units), size):
         index = tuple(range(first, first + size))
-        plan = plan_micro_batches([groups[g] for g in index], max_tokens, dp_size, attention_weight)
+        inputs = [groups[g] for g in index] if members is None else [groups[i] for g in index for i in members[g]]
+        plan = plan_micro_batches(inputs, max_tokens, dp_size, attention_weight)
         own_advantages = advantages[offsets[first] : offsets[first + size]]
         planned = plan.ranks[dp_rank]
         micro_batches = tuple(RLMicroBatch(mb.pack(pad_to_multiple_of), advantages=mb.select_responses(own_advantages),
