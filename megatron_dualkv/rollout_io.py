@@ -1,6 +1,9 @@
-"""Rollout files: JSONL, one group a line, and the tokenizers that turn text rollouts into token ids.
+"""Rollout files: JSONL, one group a line or one trajectory a line, and the tokenizers that turn
+text rollouts into token ids.
 
     {"prompt": ..., "responses": [...], "rewards": [...], "logprobs": [[...], ...]}
+    {"tokens": [...], "loss_mask": [...], "reward": r, "group": g}
+    {"messages": [{"role": ..., "content": ..., "train": ...}, ...], "reward": r, "group": g}
 
 * ``prompt``: token ids, text, or chat messages ``[{"role": "user", "content": "..."}, ...]``,
   rendered with the tokenizer's chat template (``apply_chat_template(...,
@@ -15,6 +18,22 @@
   special tokens of the tokenizer's own convention, a response the EOS token, which a bare
   ``tokenizer.json`` does not name: pass the folder for it and for a chat template).
 
+Trajectory lines (multi-turn episodes, tree-search rollouts: ``megatron_dualkv.Trajectory``; a
+file holds group lines or trajectory lines, not both), packed with shared prefixes by
+``pack_trajectories``:
+
+* ``tokens``: token ids; ``loss_mask`` (optional, default all 1): one 0/1 per token, 1 where the
+  token is trained (the first token never is: nothing predicts it).
+* ``messages`` instead of both: the turns of a conversation, each ``{"role", "content"}`` and
+  optionally ``"train"`` (default: true for ``"assistant"`` turns, false for the others: system,
+  user and ``"tool"`` outputs are context, masked from the loss). A Hugging Face tokenizer renders
+  them with its chat template, and each turn's tokens are those its message adds to the rendering
+  of the turns before it (an assistant turn's header, what ``add_generation_prompt`` renders, is
+  not trained: the model did not write it); a SentencePiece model renders each turn as a
+  ``role:`` header (not trained) and its content and EOS, each encoded on its own, after a BOS.
+* ``reward``: a number; ``group``: a string or an integer, the group whose trajectories' rewards
+  give each other's advantages (and within which they share prefixes).
+
 Every error is a ``RolloutFileError`` naming the file and line.
 """
 from __future__ import annotations
@@ -23,12 +42,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .packing import RolloutGroup
+from .trajectories import Trajectory
 
 SENTENCEPIECE_SUFFIX = ".model"
 
@@ -40,10 +60,12 @@ class RolloutFileError(ValueError):
 @dataclass
 class Rollouts:
     """A rollout file's groups and, when its lines have them, the inference engine's log-probs
-    (per group, per response, an (R,) float32 tensor)."""
+    (per group, per response, an (R,) float32 tensor); or a trajectory file's trajectories, in
+    file order (``groups`` is then empty)."""
 
     groups: List[RolloutGroup]
     logprobs: Optional[List[List[Tensor]]] = None
+    trajectories: Optional[List[Trajectory]] = None
 
 
 class SentencePieceTokenizer:
@@ -65,6 +87,18 @@ class SentencePieceTokenizer:
         raise RolloutFileError("chat prompts need a Hugging Face tokenizer with a chat template; "
                                "this is a SentencePiece model")
 
+    def conversation_ids(self, messages: List[dict]) -> Tuple[List[int], List[bool]]:
+        """BOS, then per turn a ``role:`` header and ``content`` EOS, each encoded on its own; the
+        content and EOS trained as the turn says, the header not."""
+        ids = _ids_if_defined(self._model.bos_id())
+        mask = [False] * len(ids)
+        for message in messages:
+            header = self._model.encode(f"{message['role']}:")
+            content = self._model.encode(message["content"]) + _ids_if_defined(self._model.eos_id())
+            ids += header + content
+            mask += [False] * len(header) + [_trained(message)] * len(content)
+        return ids, mask
+
 
 class HuggingFaceTokenizer:
     """A transformers tokenizer: a prompt gets its special tokens, a response the EOS token."""
@@ -80,11 +114,38 @@ class HuggingFaceTokenizer:
         return self._tokenizer(text, add_special_tokens=False).input_ids + _ids_if_defined(self._tokenizer.eos_token_id)
 
     def chat_prompt_ids(self, messages: List[dict]) -> List[int]:
+        self._check_chat_template("chat prompts")
+        return self._rendered(messages, add_generation_prompt=True)
+
+    def conversation_ids(self, messages: List[dict]) -> Tuple[List[int], List[bool]]:
+        """The chat template's rendering of ``messages``; each turn's tokens (what it adds to the
+        rendering of the turns before it) trained as it says, an assistant turn's header not."""
+        self._check_chat_template("conversations")
+        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+        ids, mask = [], []
+        for k, message in enumerate(messages):
+            full = self._rendered(turns[: k + 1], add_generation_prompt=False)
+            if full[: len(ids)] != ids:
+                raise RolloutFileError(f"the chat template renders turn {k} so that the turns before it tokenize "
+                                       "differently: its tokens are not an extension of theirs")
+            header = 0
+            if message["role"] == "assistant":  # the generation prompt's header; tokens may merge at its end
+                prompt = self._rendered(turns[:k], add_generation_prompt=True)
+                header = _common_prefix(prompt, full) - len(ids)
+            added = len(full) - len(ids)
+            mask += [False] * max(header, 0) + [_trained(message)] * (added - max(header, 0))
+            ids = full
+        return ids, mask
+
+    def _check_chat_template(self, what: str) -> None:
         if not self._tokenizer.chat_template:
-            raise RolloutFileError(f"chat prompts need a chat template, and the tokenizer {self._source} has none "
+            raise RolloutFileError(f"{what} need a chat template, and the tokenizer {self._source} has none "
                                    "(pass the model folder whose tokenizer_config.json has one)")
+
+    def _rendered(self, messages: List[dict], add_generation_prompt: bool) -> List[int]:
         # the template writes the special tokens itself
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
         return self._tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -119,8 +180,9 @@ def _transformers_tokenizer(path: Path):
 
 
 def read_rollouts(path, vocab_size: int, tokenizer_path=None) -> Rollouts:
-    """The ``Rollouts`` of the JSONL file at ``path`` (module docstring); token ids must lie in
-    the model's vocabulary. The tokenizer is loaded at the first text line."""
+    """The ``Rollouts`` of the JSONL file at ``path`` (module docstring): its groups, or its
+    trajectories; token ids must lie in the model's vocabulary. The tokenizer is loaded at the
+    first text line."""
     path = Path(path)
     if not path.is_file():
         raise RolloutFileError(f"rollouts file not found: {path}")
@@ -133,12 +195,21 @@ def read_rollouts(path, vocab_size: int, tokenizer_path=None) -> Rollouts:
             loaded.append(load_tokenizer(tokenizer_path, vocab_size))
         return loaded[0]
 
-    groups, logprobs, with_logprobs = [], [], None
+    groups, logprobs, with_logprobs, trajectories, kind = [], [], None, [], None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        record = _record(line, where)
+        record = _json(line, where)
+        this = "trajectory" if isinstance(record, dict) and record.keys() & {"tokens", "messages"} else "group"
+        if kind is not None and this != kind:
+            raise RolloutFileError(f"{where}: a {this} line in a file of {kind} lines: a file holds rollout groups "
+                                   "or trajectories, not both")
+        kind = this
+        if kind == "trajectory":
+            trajectories.append(_trajectory(record, tokenizer, vocab_size, where))
+            continue
+        _check_group(record, where)
         prompt, responses = _token_ids(tokenizer, record["prompt"], record["responses"], where)
         for what, ids in (("prompt", prompt), *((f"response {i}", r) for i, r in enumerate(responses))):
             _check_token_ids(ids, vocab_size, f"{where}: {what}")
@@ -151,24 +222,84 @@ def read_rollouts(path, vocab_size: int, tokenizer_path=None) -> Rollouts:
         if with_logprobs:
             logprobs.append(_logprobs(record["logprobs"], responses, where))
         groups.append(RolloutGroup(prompt, responses, [float(r) for r in record["rewards"]]))
+    if trajectories:
+        return Rollouts([], trajectories=trajectories)
     if not groups:
         raise RolloutFileError(f"{path}: no rollout groups")
     return Rollouts(groups, logprobs if with_logprobs else None)
 
 
-def _record(line: str, where: str) -> dict:
+def _json(line: str, where: str):
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as err:
         raise RolloutFileError(f"{where}: not valid JSON ({err.msg})") from None
+
+
+def _check_group(record, where: str) -> None:
     if not isinstance(record, dict) or not {"prompt", "responses", "rewards"} <= record.keys():
-        raise RolloutFileError(f"{where}: expected an object with 'prompt', 'responses' and 'rewards'")
+        raise RolloutFileError(f"{where}: expected an object with 'prompt', 'responses' and 'rewards' (a rollout "
+                               "group), or with 'tokens' or 'messages', 'reward' and 'group' (a trajectory)")
     responses, rewards = record["responses"], record["rewards"]
     if not isinstance(responses, list) or not responses:
         raise RolloutFileError(f"{where}: 'responses' must be a non-empty list")
     if not isinstance(rewards, list) or len(rewards) != len(responses) or not all(_is_number(r) for r in rewards):
         raise RolloutFileError(f"{where}: 'rewards' must be a list of {len(responses)} numbers, one per response")
-    return record
+
+
+def _trajectory(record: dict, tokenizer, vocab_size: int, where: str) -> Trajectory:
+    """A trajectory line (module docstring) as a ``Trajectory``."""
+    if not _is_number(record.get("reward")):
+        raise RolloutFileError(f"{where}: a trajectory needs a 'reward' number")
+    group = record.get("group")
+    if isinstance(group, bool) or not isinstance(group, (str, int)):
+        raise RolloutFileError(f"{where}: a trajectory needs a 'group', a string or an integer: the trajectories whose "
+                               "rewards give each other's advantages")
+    if "logprobs" in record:
+        raise RolloutFileError(f"{where}: 'logprobs' are read with rollout groups only, not with trajectories")
+    if {"tokens", "messages"} <= record.keys():
+        raise RolloutFileError(f"{where}: a trajectory has 'tokens' or 'messages', not both")
+    if "messages" in record:
+        if "loss_mask" in record:
+            raise RolloutFileError(f"{where}: 'loss_mask' goes with 'tokens'; 'messages' mark trained turns "
+                                   "with 'train'")
+        ids, loss_mask = _conversation_ids(tokenizer, record["messages"], where)
+    else:
+        ids, loss_mask = record["tokens"], record.get("loss_mask")
+        if isinstance(ids, list) and loss_mask is not None and not _is_loss_mask(loss_mask, len(ids)):
+            raise RolloutFileError(f"{where}: 'loss_mask' must be a list of {len(ids)} values 0 or 1, one per token")
+    _check_token_ids(ids, vocab_size, f"{where}: tokens")
+    return Trajectory(ids, loss_mask, float(record["reward"]), group)
+
+
+def _conversation_ids(tokenizer, messages, where: str) -> Tuple[List[int], List[bool]]:
+    well_formed = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        and isinstance(m.get("train", False), bool) for m in messages)
+    if not well_formed:
+        raise RolloutFileError(f"{where}: 'messages' must be a non-empty list of objects with 'role' and 'content' "
+                               "strings and an optional 'train' true or false")
+    try:
+        return tokenizer(where).conversation_ids(messages)
+    except RolloutFileError as err:
+        raise RolloutFileError(f"{where}: {err}") from None
+
+
+def _trained(message: dict) -> bool:
+    """Whether a conversation turn is trained: its ``train`` flag, by default assistant turns only."""
+    return message.get("train", message["role"] == "assistant")
+
+
+def _is_loss_mask(values, length: int) -> bool:
+    return isinstance(values, list) and len(values) == length and all(
+        isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)) for v in values)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _token_ids(tokenizer, prompt, responses: list, where: str):

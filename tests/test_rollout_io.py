@@ -123,3 +123,119 @@ def test_a_bare_tokenizer_json(tmp_path, hf_folder):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RolloutFileError, match=r"tokenizer .*empty: not a SentencePiece .model, tokenizer.json or tokenizer folder"):
         load_tokenizer(tmp_path / "empty", 256)
+
+
+# ---------------------------------------------------------------------------------- trajectory lines
+def test_trajectory_lines_of_token_ids(tmp_path):
+    path = write(tmp_path, {"tokens": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1], "reward": 1, "group": "a"},
+                 {"tokens": [1, 2, 5], "reward": 0.5, "group": "a"}, {"tokens": [7, 8], "loss_mask": [True, False],
+                                                                       "reward": 0, "group": 3})
+    rollouts = read_rollouts(path, 256)
+    assert rollouts.groups == [] and rollouts.logprobs is None
+    assert [(t.tokens, t.loss_mask, t.reward, t.group) for t in rollouts.trajectories] == [
+        ([1, 2, 3, 4], [0, 0, 1, 1], 1.0, "a"), ([1, 2, 5], None, 0.5, "a"), ([7, 8], [True, False], 0.0, 3)]
+
+
+EPISODE = [{"role": "system", "content": "Be brief."},
+           {"role": "user", "content": "Kofi has 35 coins and gets 8 more."},
+           {"role": "assistant", "content": "calculator: 35 + 8"}, {"role": "tool", "content": "43"},
+           {"role": "assistant", "content": "He has 43 coins. Answer: 43"}]
+
+
+def trained_runs(ids, mask):
+    """The runs of consecutive trained tokens."""
+    runs, run = [], []
+    for token, trained in zip(ids, mask):
+        if trained:
+            run.append(token)
+        elif run:
+            runs, run = runs + [run], []
+    return runs + [run] if run else runs
+
+
+def test_conversations_through_sentencepiece(tmp_path):
+    """BOS, then per turn its role header (never trained) and its content with EOS, trained for
+    assistant turns, for others only with "train": true."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(SENTENCEPIECE))
+    turns = [dict(m) for m in EPISODE]
+    turns[1]["train"] = True
+    path = write(tmp_path, {"messages": turns, "reward": 1, "group": 0})
+    (trajectory,) = read_rollouts(path, 256, SENTENCEPIECE).trajectories
+    want_ids, want_mask = [1], [False]
+    for m in turns:
+        header, content = sp.encode(f"{m['role']}:"), sp.encode(m["content"]) + [2]
+        want_ids += header + content
+        want_mask += [False] * len(header) + [m.get("train", m["role"] == "assistant")] * len(content)
+    assert trajectory.tokens == want_ids and trajectory.loss_mask == want_mask
+    assert trained_runs(trajectory.tokens, trajectory.loss_mask) == [sp.encode(turns[k]["content"]) + [2] for k in (1, 2, 4)]
+
+
+def test_conversations_through_a_chat_template(tmp_path, hf_folder):
+    """The chat template's rendering of all turns; trained: each assistant turn's content and end
+    token, not its header (the generation prompt) nor the system, user and tool turns."""
+    raw = Tokenizer.from_file(str(hf_folder / "tokenizer.json"))
+    end = raw.token_to_id("<|im_end|>")
+    path = write(tmp_path, {"messages": EPISODE, "reward": 1, "group": 0})
+    (trajectory,) = read_rollouts(path, 256, hf_folder).trajectories
+    rendered = "".join(f"<|im_start|>{m['role']} {m['content']}<|im_end|>" for m in EPISODE)
+    assert trajectory.tokens == raw.encode(rendered, add_special_tokens=False).ids
+    assert trained_runs(trajectory.tokens, trajectory.loss_mask) == [
+        raw.encode(m["content"], add_special_tokens=False).ids + [end] for m in EPISODE if m["role"] == "assistant"]
+    bare = write(tmp_path, {"messages": EPISODE, "reward": 1, "group": 0}, name="bare.jsonl")
+    with pytest.raises(RolloutFileError, match=r"bare.jsonl:1: conversations need a chat template, and the tokenizer"):
+        read_rollouts(bare, 256, hf_folder / "tokenizer.json")
+
+
+def test_the_bundled_agent_episodes():
+    """examples/data/agent_episodes.jsonl: 4 groups of 4 multi-turn episodes whose first assistant
+    turn (and its tool output) pairs share; tool outputs masked, every episode trains a token."""
+    from megatron_dualkv import pack_trajectories, trajectory_groups
+
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(SENTENCEPIECE))
+    trajectories = read_rollouts(SENTENCEPIECE.parent / "agent_episodes.jsonl", 256, SENTENCEPIECE).trajectories
+    assert [len(g) for g in trajectory_groups(trajectories)] == [4] * 4
+    assert {t.reward for t in trajectories} == {0.0, 1.0}
+    tool = sp.encode("tool:")
+    for t in trajectories:
+        assert any(t.loss_mask[1:]) and 0 not in t.tokens  # no <unk>: the corpus's alphabet
+        starts = [i for i in range(len(t.tokens)) if t.tokens[i : i + len(tool)] == tool]
+        assert starts and all(not t.loss_mask[i + len(tool)] for i in starts)  # the tool's output is not trained
+    batch = pack_trajectories(trajectories)
+    assert batch.layout.max_depth >= 2 and batch.rho > 2
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"tokens": [1, 2], "reward": 1, "group": 0}\n{"prompt": [1], "responses": [[2]], "rewards": [1]}',
+         r":2: a group line in a file of trajectory lines: a file holds rollout groups or trajectories, not both"),
+        ('{"tokens": [1, 2], "group": 0}', r":1: a trajectory needs a 'reward' number"),
+        ('{"tokens": [1, 2], "reward": true, "group": 0}', r":1: a trajectory needs a 'reward' number"),
+        ('{"tokens": [1, 2], "reward": 1}', r":1: a trajectory needs a 'group', a string or an integer"),
+        ('{"tokens": [1, 2], "reward": 1, "group": [0]}', r":1: a trajectory needs a 'group'"),
+        ('{"tokens": [1, 2], "loss_mask": [1], "reward": 1, "group": 0}',
+         r":1: 'loss_mask' must be a list of 2 values 0 or 1, one per token"),
+        ('{"tokens": [1, 2], "loss_mask": [1, 2], "reward": 1, "group": 0}', r":1: 'loss_mask' must be a list of 2"),
+        ('{"tokens": [], "reward": 1, "group": 0}', r":1: tokens: expected a non-empty list of token ids"),
+        ('{"tokens": [1, 300], "reward": 1, "group": 0}', r":1: tokens: token id 300 is outside the model's"),
+        ('{"tokens": [1, 2], "reward": 1, "group": 0, "logprobs": [-1, -1]}',
+         r":1: 'logprobs' are read with rollout groups only"),
+        ('{"tokens": [1], "messages": [], "reward": 1, "group": 0}', r":1: a trajectory has 'tokens' or 'messages'"),
+        ('{"messages": [{"role": "user"}], "reward": 1, "group": 0}',
+         r":1: 'messages' must be a non-empty list of objects with 'role' and 'content' strings"),
+        ('{"messages": [{"role": "user", "content": "x", "train": 1}], "reward": 1, "group": 0}', r":1: 'messages' must"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "loss_mask": [1], "reward": 1, "group": 0}',
+         r":1: 'loss_mask' goes with 'tokens'"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "reward": 1, "group": 0}',
+         r":1: text rollouts need a tokenizer \(--tokenizer\)"),
+    ],
+)
+def test_malformed_trajectories_are_reported_with_their_line(tmp_path, line, message):
+    path = tmp_path / "ids.jsonl"
+    path.write_text(line)
+    with pytest.raises(RolloutFileError, match=message):
+        read_rollouts(path, 256, tokenizer_path=None)
