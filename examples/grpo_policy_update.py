@@ -8,7 +8,9 @@
         --tensorboard-dir tb --log-jsonl run.jsonl && python tools/plot_run.py run.jsonl
 
 Every step takes the next --global-batch-size rollout groups of --rollouts (cycling through the
-file) and splits them into --mini-batches M mini-batches of as many groups
+file; in a file of trajectories, one a line, a group is the trajectories of one "group" id: multi-turn
+episodes packed as prefix trees, ``pack_trajectories``) and splits them into --mini-batches M
+mini-batches of as many groups
 (``megatron_dualkv.rl.plan_mini_batches``: packed micro-batches of at most --max-tokens tokens
 for the data-parallel ranks, ``plan_micro_batches``). Before the first update it computes the
 behaviour log-probs with one forward-only run of Megatron's schedule (or takes the rollouts'
@@ -49,7 +51,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from megatron_dualkv.notices import hide_expected_notices
 
@@ -63,7 +65,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megatron_dualkv import CostModel, RolloutGroup  # noqa: E402
+from megatron_dualkv import CostModel, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups  # noqa: E402
 from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
 from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
@@ -113,7 +115,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group = parser.add_argument_group("data")
     group.add_argument("--rollouts", type=Path, default=DATA / "rollouts.jsonl",
                        help="JSONL, one group a line: {prompt, responses, rewards[, logprobs]}; token ids, or text "
-                            "(a prompt also as chat messages) with --tokenizer")
+                            "(a prompt also as chat messages) with --tokenizer; or one trajectory a line: "
+                            "{tokens[, loss_mask], reward, group} or {messages, reward, group} (multi-turn, tool "
+                            "outputs masked), e.g. examples/data/agent_episodes.jsonl")
     group.add_argument("--tokenizer", type=Path, default=DATA / "tokenizer.model",
                        help="for text rollouts: a SentencePiece .model, a Hugging Face tokenizer.json or model folder")
     group.add_argument("--global-batch-size", type=int, default=8, help="rollout groups per step, all DP ranks together")
@@ -214,6 +218,31 @@ def step_indices(num_groups: int, step: int, global_batch_size: int) -> List[int
     return [(first + i) % num_groups for i in range(global_batch_size)]
 
 
+Rollout = Union[RolloutGroup, List[Trajectory]]  # a group: of a prompt and its responses, or of trajectories
+
+
+def file_groups(rollouts: Rollouts) -> List[Rollout]:
+    """The groups of a rollout file: its rollout groups, or its trajectories by group (``trajectory_groups``)."""
+    if rollouts.trajectories is None:
+        return rollouts.groups
+    return [[rollouts.trajectories[i] for i in members] for members in trajectory_groups(rollouts.trajectories)]
+
+
+def step_rollouts(groups: List[Rollout], index: List[int]) -> Union[List[RolloutGroup], List[Trajectory]]:
+    """The step's rollout groups, or its trajectories group by group, each group's id its place in
+    the step (a group that the step takes twice is two groups, as a rollout group is)."""
+    if isinstance(groups[0], RolloutGroup):
+        return [groups[i] for i in index]
+    return [dataclasses.replace(t, group=k) for k, i in enumerate(index) for t in groups[i]]
+
+
+def group_rewards(rollouts: Union[List[RolloutGroup], List[Trajectory]]) -> List[torch.Tensor]:
+    """Per group, the rewards of its responses (trajectories): what the loss's advantages take."""
+    if isinstance(rollouts[0], RolloutGroup):
+        return [torch.tensor(g.rewards) for g in rollouts]
+    return [torch.tensor([rollouts[i].reward for i in members]) for members in trajectory_groups(rollouts)]
+
+
 # ------------------------------------------------------------------------------ model and optimizer
 @dataclass
 class Policy:
@@ -228,7 +257,7 @@ class Policy:
     token_multiple: int
 
 
-def fit_to_memory(args: argparse.Namespace, groups: List[RolloutGroup]) -> Optional[Fit]:
+def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[Fit]:
     """Resolve --recompute auto and --max-tokens auto in ``args`` with the memory model (None when neither
     is auto): the least recompute under which a micro-batch holds the largest rollout group whole (else
     the longest prompt plus response), and the most packed tokens that setting fits."""
@@ -242,9 +271,7 @@ def fit_to_memory(args: argparse.Namespace, groups: List[RolloutGroup]) -> Optio
     memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
                                   dp=max(1, world // sizes.model_ranks), distributed_optimizer=args.use_distributed_optimizer,
                                   ref_model=args.ref_load is not None)
-    whole = max(len(g.prompt) + sum(map(len, g.responses)) for g in groups)
-    longest = max(len(g.prompt) + max(map(len, g.responses)) for g in groups)
-    responses = sum(sum(map(len, g.responses)) for g in groups) / sum(len(g.prompt) + sum(map(len, g.responses)) for g in groups)
+    whole, longest, responses = packed_sizes(groups)
     setting = {} if args.recompute == AUTO else dict(recompute=args.recompute, recompute_layers=args.recompute_layers)
     budget = device_budget(margin=args.memory_margin)
     fits = (whole, longest) if args.max_tokens == AUTO else (args.max_tokens,)
@@ -260,6 +287,20 @@ def fit_to_memory(args: argparse.Namespace, groups: List[RolloutGroup]) -> Optio
     if args.max_tokens == AUTO:
         args.max_tokens = fit.tokens
     return fit
+
+
+def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
+    """(packed tokens of the largest group, of the longest prompt with a response or trajectory,
+    share of the packed tokens that a trained token is predicted from) of the file's groups."""
+    if isinstance(groups[0], RolloutGroup):
+        whole = max(len(g.prompt) + sum(map(len, g.responses)) for g in groups)
+        longest = max(len(g.prompt) + max(map(len, g.responses)) for g in groups)
+        packed = sum(len(g.prompt) + sum(map(len, g.responses)) for g in groups)
+        return whole, longest, sum(sum(map(len, g.responses)) for g in groups) / packed
+    batches = [pack_trajectories(g) for g in groups]
+    predicted = sum(ResponseTokens.of(batch).num_predictions for batch in batches)
+    return (max(batch.num_tokens for batch in batches), max(len(t.tokens) for g in groups for t in g),
+            predicted / sum(batch.num_tokens for batch in batches))
 
 
 def build_policy(args: argparse.Namespace) -> Policy:
@@ -405,11 +446,13 @@ class StepStats:
 TOKEN_METRICS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "kl", "rollout_mismatch", "entropy")
 
 
-def policy_update_step(policy: Policy, groups: List[RolloutGroup], loss_fn, max_tokens: int, layout: str,
+def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Trajectory]], loss_fn, max_tokens: int,
+                       layout: str,
                        ppo: PPOSchedule = PPOSchedule(), reference=None,
                        rollout_logprobs: Optional[List[List[torch.Tensor]]] = None) -> StepStats:
     """The ``ppo.mini_batches x ppo.epochs`` optimizer steps of ``loss_fn`` on the rollout batch
-    ``groups`` (all DP ranks' rollouts; this rank runs its share).
+    ``groups`` (all DP ranks' rollouts; this rank runs its share): rollout groups, or trajectories
+    whose ``group`` ids number their groups (``step_rollouts``).
 
     rollout_logprobs: the inference engine's, per group, per response: the behaviour log-probs
     (no forward pass) unless ``loss_fn.tis_cap`` is set, then beside them for its correction.
@@ -417,7 +460,8 @@ def policy_update_step(policy: Policy, groups: List[RolloutGroup], loss_fn, max_
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     # Group-normalised advantages of whole groups: a group split over micro-batches or ranks
     # keeps the advantages it would have had in one piece.
-    advantages = loss_fn.advantages([torch.tensor(g.rewards) for g in groups])
+    rewards = group_rewards(groups)
+    advantages = loss_fn.advantages(rewards)
     minis = plan_mini_batches(groups, ppo.mini_batches, max_tokens, advantages, dp_size=dp_size, dp_rank=dp_rank,
                               attention_weight=policy.cost.attention_weight, pad_to_multiple_of=policy.token_multiple)
     bypass = rollout_logprobs is not None and loss_fn.tis_cap is None
@@ -442,7 +486,7 @@ def policy_update_step(policy: Policy, groups: List[RolloutGroup], loss_fn, max_
     pos, n_pos, neg, n_neg, flops = totals.tolist()
     return StepStats(
         loss=sum(u.loss for u in updates) / len(updates),
-        reward=sum(sum(g.rewards) for g in groups) / sum(len(g.rewards) for g in groups),
+        reward=torch.cat(rewards).mean().item(),
         margin=pos / max(n_pos, 1) - neg / max(n_neg, 1),
         clip_fraction=metrics["clip_fraction"],
         rollout_tokens=sum(mini.plan.rollout_tokens for mini in minis),
@@ -489,7 +533,7 @@ def _metric_sums(micro_batches: Iterable[Tuple[RLMicroBatch, RLStepOutput]]) -> 
     for mb, out in micro_batches:
         if mb.is_padding:
             continue
-        lens = ResponseTokens.from_layout(mb.batch.layout, out.logprobs[0][0].device).lens.double()
+        lens = ResponseTokens.of(mb.batch, out.logprobs[0][0].device).lens.double()
         zero = lens.new_zeros(())
         row = [zero if out.loss is None else out.loss.double()]
         for name in TOKEN_METRICS:
@@ -518,25 +562,34 @@ def _update_stats(update: PPOUpdate, sums: torch.Tensor, dp_size: int, seconds: 
 
 
 def _margin_sums(minis: List[MiniBatch]) -> List[float]:
-    """Behaviour log-prob sums and counts of the responses with positive advantage, then of the others."""
+    """Behaviour log-prob sums and counts of the responses with positive advantage, then of the others
+    (responses with trained tokens: a trajectory may have none)."""
     sums = torch.zeros(4, dtype=torch.float64)
     for mini in minis:
         for mb in mini.micro_batches:
             if mb.is_padding:
                 continue
-            response_logp = torch.stack([r.mean() for group in mb.old_logprobs for r in group]).double().cpu()
-            positive = mb.advantages.double().cpu() > 0
+            responses = [r.double().cpu() for group in mb.old_logprobs for r in group]
+            trained = torch.tensor([r.numel() > 0 for r in responses])
+            response_logp = torch.stack([r.mean() if r.numel() else r.new_zeros(()) for r in responses])
+            positive = (mb.advantages.double().cpu() > 0) & trained
+            negative = ~positive & trained
             sums += torch.stack([response_logp[positive].sum(), positive.sum(),
-                                 response_logp[~positive].sum(), (~positive).sum()])
+                                 response_logp[negative].sum(), negative.sum()])
     return sums.tolist()
 
 
 def _forward_flops(cost: CostModel, minis: List[MiniBatch], layout: str) -> float:
     """Forward FLOPs of this rank's real micro-batches of every mini-batch (one pass over the rollout batch),
-    the output layer on the rows that predict a response token only, as the log-probs compute it."""
-    return sum(cost.layout_flops(mb.batch.layout if layout == "packed" else mb.batch.replicated().layout,
-                                 predicting_rows=sum(map(sum, mb.batch.layout.response_lens)))
-               for mini in minis for mb in mini.micro_batches if not mb.is_padding)
+    the output layer on the rows that predict a trained token only, as the log-probs compute it (once
+    per packed token that trajectories share, once per copy in the replicated layout)."""
+    def flops(batch) -> float:
+        tokens = ResponseTokens.of(batch)
+        if layout == "packed":
+            return cost.layout_flops(batch.layout, predicting_rows=tokens.num_predictions)
+        return cost.layout_flops(batch.replicated().layout, predicting_rows=tokens.num_tokens)
+
+    return sum(flops(mb.batch) for mini in minis for mb in mini.micro_batches if not mb.is_padding)
 
 
 def _dp_sum(values: torch.Tensor) -> torch.Tensor:
@@ -708,7 +761,8 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     card = checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
     rollouts = read_run_rollouts(args, card.config["vocab_size"])
-    fit = fit_to_memory(args, rollouts.groups)
+    groups = file_groups(rollouts)
+    fit = fit_to_memory(args, groups)
     policy = build_policy(args)
     reference = build_reference(args)
     start = load_checkpoint(args.load, policy) if args.load else 0
@@ -720,7 +774,9 @@ def train(args: argparse.Namespace) -> None:
         print(f"model {args.model} ({params:,} parameters on rank 0) | layout {args.layout} | loss {args.loss} | "
               f"world {dist.get_world_size()} (tp {args.tp} pp {args.pp} ep {args.ep} cp {args.cp}, "
               f"dp {parallel_state.get_data_parallel_world_size()}) | "
-              f"{len(rollouts.groups)} rollout groups from {args.rollouts.name}"
+              + (f"{len(groups)} rollout groups" if rollouts.trajectories is None
+                 else f"{len(rollouts.trajectories)} trajectories in {len(groups)} groups")
+              + f" from {args.rollouts.name}"
               + (f" | {ppo.mini_batches} mini-batches x {ppo.epochs} epochs" if ppo.mini_batches * ppo.epochs > 1 else "")
               + (f" | reference {args.ref_load}" if reference is not None else "")
               + (f" | resumed at step {start}" if start else "")
@@ -733,9 +789,9 @@ def train(args: argparse.Namespace) -> None:
     log = RunLog(args.tensorboard_dir, args.log_jsonl) if rank0 else None
     progress = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, unit="step", disable=not rank0)
     for step in progress:
-        index = step_indices(len(rollouts.groups), step, args.global_batch_size)
+        index = step_indices(len(groups), step, args.global_batch_size)
         stats = policy_update_step(
-            policy, [rollouts.groups[i] for i in index], loss_fn, args.max_tokens, args.layout, ppo, reference,
+            policy, step_rollouts(groups, index), loss_fn, args.max_tokens, args.layout, ppo, reference,
             None if rollouts.logprobs is None else [rollouts.logprobs[i] for i in index],
         )
         policy.scheduler.step(1)

@@ -587,6 +587,50 @@ def test_rollout_logprobs_replace_the_behaviour_pass(script, policy_args, monkey
     assert passes == [1] and stats.rollout_mismatch > 0 and stats.updates[0].ratio == pytest.approx(1.0, abs=1e-6)
 
 
+AGENT_EPISODES = ROOT / "examples" / "data" / "agent_episodes.jsonl"
+
+
+def test_agent_episodes_update_ratios_and_the_replicated_layout(script, policy_args):
+    """The bundled multi-turn episodes (tool outputs masked) as prefix trees, 2 mini-batches of
+    GRPO: an update's ratio is the mean over the trained tokens of its mini-batch's trajectories of
+    exp(new - old), new from each trajectory alone (the replicated layout) of the model after the
+    updates before it; the replicated layout takes the same steps."""
+    from megatron_dualkv import pack_trajectories
+    from megatron_dualkv.rl import trajectory_logprobs
+
+    rollouts = read_rollouts(AGENT_EPISODES, 256, ROOT / "examples" / "data" / "tokenizer.model")
+    trajectories = script.step_rollouts(script.file_groups(rollouts), [0, 3])
+    assert [t.group for t in trajectories] == [0] * 4 + [1] * 4
+    policy = script.build_policy(policy_args)
+
+    def logprobs():
+        with torch.no_grad():
+            return [trajectory_logprobs(policy.model.module, pack_trajectories([t]), "replicated")[0][
+                torch.tensor(t.loss_mask[1:])] for t in trajectories]
+
+    after, step = [logprobs()], policy.optimizer.step
+    policy.optimizer.step = lambda: (step(), after.append(logprobs()))[0]
+    grpo, two = script.LOSSES["grpo"], script.PPOSchedule(2)
+    packed = script.policy_update_step(policy, trajectories, grpo, 1024, "packed", two)
+    for k, update in enumerate(packed.updates):
+        mini = range(4 * update.mini_batch, 4 * update.mini_batch + 4)
+        want = torch.cat([torch.exp(after[k][i] - after[0][i]) for i in mini]).mean().item()
+        assert update.ratio == pytest.approx(want, rel=1e-5), k
+    assert abs(packed.updates[1].ratio - 1) > 1e-3
+    policy = script.build_policy(policy_args)
+    replicated = script.policy_update_step(policy, trajectories, grpo, 1024, "replicated", two)
+    assert packed.rho > 2 and replicated.rho == packed.rho and packed.reward == 0.5
+    for p, r in zip(packed.updates, replicated.updates):
+        assert p.loss == pytest.approx(r.loss, rel=1e-4, abs=1e-6) and p.ratio == pytest.approx(r.ratio, rel=1e-5)
+
+
+def test_the_agent_episodes_command(tmp_path):
+    """The documented command on the bundled episodes: trajectories by group, packed as trees."""
+    out, steps = run_script("--rollouts", AGENT_EPISODES, "--global-batch-size", 2, "--loss", "dapo", "--steps", 2)
+    assert "16 trajectories in 4 groups from agent_episodes.jsonl" in out and sorted(steps) == [1, 2]
+    assert all(number(fields, "rho") > 2 and fields["mb"] == "1" for fields in steps.values())
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_attention_bench_baselines_use_the_layouts_mask(window):
     """tools/bench_attention.py: FlexAttention's mask_mod is the layout's rule (depth 1 and trees),
