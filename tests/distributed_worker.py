@@ -14,7 +14,8 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
   per-response results every rank returns (and forward_logprobs on the packed and the replicated
   layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
   that the test assembles into full tensors. Among them a layer count that pp splits unevenly
-  and a vocabulary that tp pads to another size than one process does.
+  and a vocabulary that tp pads to another size than one process does; the ``trees_`` runs take
+  the step on prefix trees of trajectories (``TREE_MICRO_BATCHES``) instead of rollout groups.
 * ``ppo_dp2``: two PPO mini-batches (``ppo_updates``) at dp=2, one of them with a padding
   micro-batch: the parameters after both optimizer steps (test_parallel runs ``ppo_run`` in one
   process too).
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
+from megatron_dualkv import Trajectory, pack_trajectories
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import ModelCard, build_model, load_card
 from megatron_dualkv.models.hf_export import _global_name  # the single-rank model's name of a parameter
@@ -68,6 +70,7 @@ class ParallelRun:
     sizes: Dict = field(default_factory=dict)
     overrides: Dict = field(default_factory=dict)
     recompute: Dict = field(default_factory=dict)
+    trees: bool = False  # micro-batches of trajectories (TREE_MICRO_BATCHES) instead of rollout groups
 
     def build_kwargs(self) -> Dict:
         return dict(self.sizes, seed=SEED, **self.overrides, **self.recompute)
@@ -108,16 +111,55 @@ PARALLEL_RUNS = {
     "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
     "moe_pp2_tp2": ParallelRun("qwen3-moe-tiny", 4, dict(pp=2, tp=2)),
     "moe_tp2_ep2_etp1_dp2": ParallelRun("qwen3-moe-tiny", 4, dict(tp=2, ep=2, etp=1)),
+    # prefix trees of trajectories: TP with SP, CP (Ulysses over the tree layout), EP, PP with
+    # Gemma's windows along path positions and its tied output layer, the interleaved schedule
+    # (which pads the tree micro-batches to one length)
+    "trees_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), trees=True),
+    "trees_dense_cp2": ParallelRun("qwen3-tiny", 2, dict(cp=2), trees=True),
+    "trees_moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), trees=True),
+    "trees_gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2), trees=True),
+    "trees_dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4), trees=True),
 }
 
+# Per micro-batch, trajectories as (group, segments, loss mask per segment): segments are token
+# counts along the path, cut from one seeded draw per distinct prefix, so that trajectories share
+# what they share by construction: multi-turn episodes branching at depth 3 with a masked tool
+# output, one-token segments, a trajectory that ends at an inner node, a duplicate, two groups.
+TREE_SHAPES = [
+    [(0, (5, 3, 2, 4), (0, 1, 0, 1)), (0, (5, 3, 2, 1), (0, 1, 0, 1)), (0, (5, 3, 1), (0, 1, 1)), (0, (5, 1, 3), (0, 1, 1)),
+     (0, (5, 3), (0, 1)), (1, (2, 3), (0, 1)), (1, (2, 2), (0, 1)), (1, (2, 2), (0, 1))],
+    [(0, (7, 1, 6), (0, 1, 1)), (0, (7, 2), (1, 1)), (1, (3, 4, 1), (0, 0, 1))],
+]
 
-def micro_batches(pad_to_multiple_of: int) -> List[RLMicroBatch]:
-    """The micro-batches of every parallel run: the same rollouts, padded as the run needs, with
-    behaviour and reference log-probs near those of a tiny random model (-log 256)."""
+
+def tree_trajectories(shapes, seed: int) -> List[Trajectory]:
+    """The trajectories of ``shapes`` (TREE_SHAPES), with seeded token ids and rewards."""
+    g = torch.Generator().manual_seed(seed)
+    drawn = {}  # (group, prefix of segment counts) -> that segment's token ids
+
+    def segment(key, n):
+        if key not in drawn:
+            drawn[key] = torch.randint(0, 256, (n,), generator=g).tolist()
+        return drawn[key]
+
     out = []
-    for seed, shapes in enumerate(MICRO_BATCH_SHAPES):
-        batch = make_batch(shapes, seed=seed, pad_to_multiple_of=pad_to_multiple_of)
-        tokens = ResponseTokens.from_layout(batch.layout)
+    for group, lens, masks in shapes:
+        tokens = [t for depth, n in enumerate(lens) for t in segment((group, lens[: depth + 1]), n)]
+        loss_mask = [m for n, m in zip(lens, masks) for _ in range(n)]
+        out.append(Trajectory(tokens, loss_mask, reward=float(torch.rand((), generator=g).round(decimals=1)), group=group))
+    return out
+
+
+def micro_batches(pad_to_multiple_of: int, trees: bool = False) -> List[RLMicroBatch]:
+    """The micro-batches of every parallel run: the same rollouts (or trajectories), padded as the
+    run needs, with behaviour and reference log-probs near those of a tiny random model (-log 256)."""
+    out = []
+    for seed, shapes in enumerate(TREE_SHAPES if trees else MICRO_BATCH_SHAPES):
+        if trees:
+            batch = pack_trajectories(tree_trajectories(shapes, seed), pad_to_multiple_of=pad_to_multiple_of)
+        else:
+            batch = make_batch(shapes, seed=seed, pad_to_multiple_of=pad_to_multiple_of)
+        tokens = ResponseTokens.of(batch)
         uniform = tokens.split(torch.full((tokens.num_tokens,), -math.log(256)))
         out.append(RLMicroBatch(batch, perturbed(uniform, 0.1, seed), perturbed(uniform, 0.1, seed + 10)))
     return out
@@ -132,7 +174,7 @@ def parallel_run(run: ParallelRun) -> Dict:
     config.finalize_model_grads_func = finalize_model_grads
     model = ddp if len(ddp) > 1 else ddp[0]
     sizes = ParallelSizes(**run.sizes)
-    batches = micro_batches(sizes.token_multiple)
+    batches = micro_batches(sizes.token_multiple, run.trees)
     with torch.no_grad():
         # one micro-batch at a time: not under the interleaved schedule (it runs at least pp)
         logprobs = None if sizes.vpp else [forward_logprobs(model, mb.batch) for mb in batches]
@@ -141,7 +183,7 @@ def parallel_run(run: ParallelRun) -> Dict:
     outputs = forward_backward(model, batches, LOSS, with_entropy=True)
     return dict(
         logprobs=logprobs, replicated=replicated, outputs=outputs, parameters=parameter_pieces(chunks),
-        unpadded_error=unpadded_error(model, sizes),
+        unpadded_error=None if run.trees else unpadded_error(model, sizes),
     )
 
 
