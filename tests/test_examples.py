@@ -433,6 +433,24 @@ def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monk
     assert [r.model for r in bench.read_results(tmp_path / "policy_update.csv")] == ["moe", "moe", "dense", "dense"]
 
 
+def test_bench_agent_episodes(bench, tmp_path, monkeypatch):
+    """--agent: issue #31's workload (a) (32,768 packed tokens for 65,536, tool tokens masked), and a
+    dry run of the packed tree against the replicated trajectories on the tiny card."""
+    from megatron_dualkv import pack_trajectories
+
+    trajectories = bench.agent_episodes(1000, 0, *bench.AGENT)
+    batch = pack_trajectories(trajectories)
+    assert batch.num_trajectories == 8 and batch.trajectory_lens == (8192,) * 8 and batch.num_tokens == 32768
+    assert [sum(t.loss_mask) for t in trajectories] == [4 * 512] * 8 and batch.layout.max_depth == 2
+    monkeypatch.setattr(bench, "plot", lambda results, path, baseline: None)  # needs matplotlib
+    bench.main(["--device", "cpu", "--tiny", "--full-depth", "--agent", "--models", "qwen3-tiny", "--repeats", "1",
+                "--out", str(tmp_path)])
+    packed, replicated = bench.read_results(tmp_path / "policy_update_agent.csv")
+    assert (packed.layout, replicated.layout, packed.workload) == ("packed", "replicated", "agent")
+    assert (packed.n, packed.p, packed.r) == (4, 48, 48) and packed.micro_batch_tokens < replicated.micro_batch_tokens
+    assert packed.tokens_per_s > 0 and replicated.tokens_per_s > 0
+
+
 # ------------------------------------------------------------------------------- the whole RL loop
 QUESTIONS = ["Kofi has 35 coins and gets 8 more. How many coins does he have?",
              "A farmer has 12 cows and sells 5. How many are left?",

@@ -4,6 +4,7 @@ replicated layout with PyTorch SDPA (cuDNN backend).
     python tools/bench_policy_update.py --out bench/           # one H200: Qwen3-8B and Qwen3-30B-A3B layer dims
     python tools/bench_policy_update.py --device cpu --tiny    # dry run of the same code: tiny cards, small groups
     python tools/bench_policy_update.py --models moe --update bench/policy_update_h200.csv   # re-measure one model
+    python tools/bench_policy_update.py --full-depth --agent --models qwen3-4b --out bench/   # prefix trees (#31)
 
 Models: Qwen3-8B layer dimensions with ``--dense-layers`` layers and Qwen3-30B-A3B-dimension MoE
 layers (``--moe-layers``), full vocabulary, bf16 parameters with Megatron's fp32 main weights and
@@ -22,6 +23,13 @@ measured at the start of the same run, and peak memory. Prints a table, writes C
 model is measured in a process of its own (``measure_alone``).
 ``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
 theirs, with the matmul rate of their own run) and redraws its PNG.
+
+``--agent``: instead of the groups, issue #31's workload (a), agent episodes as trajectories (a
+4096-token prompt, 8 trajectories of 4 turns of 512 trained model tokens then 512 masked tool
+tokens, the first turn shared in pairs: 32,768 packed tokens for 65,536), one rollout batch per
+step: the packed prefix tree against the replicated trajectories, each with selective recompute
+and the largest micro-batch budget (packed tokens, halving from the whole tree) that runs. Rows:
+N trajectories, P the prompt, R the tokens after it.
 """
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tools")]
 import grpo_policy_update as policy_update  # noqa: E402
-from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup  # noqa: E402
+from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
 from megatron_dualkv.memory import GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
@@ -55,6 +63,9 @@ FULL_DEPTH = {
     "gemma3-4b": [(16, 8192, 1024), (32, 8192, 512)],
 }
 TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)]}
+# --agent: (prompt, trajectory pairs, turns, model tokens, tool tokens) of issue #31's workload (a)
+AGENT = (4096, 4, 4, 512, 512)
+TINY_AGENT = (48, 2, 3, 8, 8)
 CPU_BUDGET_GIB = 8.0  # the dry run's stand-in for the device's memory
 
 
@@ -80,6 +91,7 @@ class Result:
     recompute_layers: int = 0  # fully recomputed layers per stage on top of "selective" (0: none)
     recompute_flops: float = 0.0  # FLOPs recompute adds, over the layout's useful FLOPs
     predicted_gib: float = float("nan")  # the memory model's peak for the setting
+    workload: str = "group"  # "group": one prompt and N responses; "agent": --agent's trajectories
 
 
 def layer_card(card: str, layers: int, directory: Path) -> Path:
@@ -99,6 +111,22 @@ def rollout_group(n: int, p: int, r: int, vocab_size: int, seed: int) -> Rollout
     return RolloutGroup(ids(p), [ids(r) for _ in range(n)], rewards=torch.randint(0, 2, (n,), generator=g).float().tolist())
 
 
+def agent_episodes(vocab_size: int, seed: int, prompt: int, pairs: int, turns: int, model: int, tool: int
+                   ) -> List[Trajectory]:
+    """--agent's trajectories: after a shared prompt, ``turns`` turns of ``model`` trained then
+    ``tool`` masked tokens, the first turn shared by each pair (random tokens, one group)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda k: torch.randint(3, vocab_size, (k,), generator=g).tolist()  # noqa: E731
+    head, mask = ids(prompt), [0] * prompt + ([1] * model + [0] * tool) * turns
+    out = []
+    for _ in range(pairs):
+        first = ids(model + tool)
+        for _ in range(2):
+            out.append(Trajectory(head + first + ids((turns - 1) * (model + tool)), mask,
+                                  reward=float(torch.randint(0, 2, (), generator=g)), group=0))
+    return out
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
@@ -109,11 +137,13 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_steps(policy, group: RolloutGroup, layout: str, max_tokens: int, repeats: int):
-    """A warm-up step (compilation, optimizer state, the fit probe), then ``repeats`` timed ones."""
+def run_steps(policy, group, layout: str, max_tokens: int, repeats: int):
+    """A warm-up step (compilation, optimizer state, the fit probe), then ``repeats`` timed ones;
+    ``group``: a RolloutGroup, or the step's trajectories."""
     loss_fn = policy_update.LOSSES["grpo"]
-    policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout)
-    return [policy_update.policy_update_step(policy, [group], loss_fn, max_tokens, layout) for _ in range(repeats)]
+    rollouts = [group] if isinstance(group, RolloutGroup) else group
+    policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, layout)
+    return [policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, layout) for _ in range(repeats)]
 
 
 def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tflops: float, result: Result) -> Result:
@@ -314,6 +344,41 @@ def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel
     return result
 
 
+def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
+    """--agent: the packed prefix tree and the replicated trajectories, each at the largest
+    micro-batch budget that runs (selective recompute)."""
+    prompt, pairs, turns, model, tool = TINY_AGENT if args.tiny else AGENT
+    trajectories = agent_episodes(load_card(card).config["vocab_size"], 0, prompt, pairs, turns, model, tool)
+    policy = PolicyCache(card, args).get("selective", 0)
+    whole = plan_micro_batches(trajectories, 1 << 30).packed_tokens
+    results = []
+    for layout, repeats in (("packed", args.repeats), ("replicated", args.replicated_repeats or args.repeats)):
+        result = Result(card, policy.model.module.config.num_layers, 2 * pairs, prompt, turns * (model + tool), layout,
+                        recompute="selective", workload="agent")
+        budget = whole
+        while budget >= len(trajectories[0].tokens):
+            try:
+                steps = run_steps(policy, trajectories, layout, budget, repeats)
+            except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+                if not is_out_of_memory(err):
+                    raise
+                steps = None
+            if steps is not None:
+                planned = [mb for mb in plan_micro_batches(trajectories, budget).ranks[0] if not mb.is_padding]
+                measured(result, max(len(mb.trajectories) for mb in planned), steps, peak_tflops)
+                result.micro_batch_tokens = max(mb.num_tokens if layout == "packed" else
+                                                sum(len(t.tokens) for t in mb.trajectories) for mb in planned)
+                break
+            print(f"  {card} agent {layout}: a budget of {budget} tokens runs out of memory", flush=True)
+            free_memory()  # outside the except block: the exception's frames, which hold the activations, are gone
+            budget //= 2
+        results.append(result)
+    results[0].speedup = results[1].step_s / results[0].step_s
+    for result in results:
+        print(row(result), flush=True)
+    return results
+
+
 COLUMNS = ["model", "N", "P", "R", "layout", "mb resp", "mb tokens", "mbs", "recompute", "step s", "tok/s", "TFLOP/s",
            "MFU", "recompute FLOPs", "peak GiB", "predicted GiB", "speedup"]
 
@@ -389,7 +454,7 @@ def model_flags(args, name: str, out: Path) -> List[str]:
              "--repeats", str(args.repeats), "--models", name, "--out", str(out)]
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
-        "--verbose"] * args.verbose
+        "--agent"] * args.agent + ["--verbose"] * args.verbose
 
 
 def measure_alone(name: str, args) -> List[Result]:
@@ -409,6 +474,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny cards and small groups (a dry run of the code paths)")
     parser.add_argument("--full-depth", action="store_true",
                         help="whole models (Qwen3-4B, Gemma-3-4B), each at the setting the tool finds best")
+    parser.add_argument("--agent", action="store_true",
+                        help="with --full-depth: issue #31's agent episodes, the packed tree against the replicated "
+                             "trajectories (module docstring)")
     parser.add_argument("--dense-layers", type=int, default=4, help="Qwen3-8B-dimension layers")
     parser.add_argument("--moe-layers", type=int, default=4, help="Qwen3-30B-A3B-dimension MoE layers")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
@@ -429,6 +497,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--update: {args.update} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
+    if args.agent and (not args.full_depth or args.profile):
+        parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
     if len(model_names) > 1:
         results = [r for name in model_names for r in measure_alone(name, args)]
         if not args.profile:
@@ -453,8 +523,12 @@ def main(argv: Optional[List[str]] = None) -> None:
             setting = candidate_settings(*planning_models(card, args), workloads[0], "packed") if args.full_depth else None
             profile_step(card, workloads[0], args, setting[0] if setting else None)
             return
-        results = (bench_full_depth(card, workloads, args, peak) if args.full_depth
-                   else bench_model(card, layers, workloads, args, peak))
+        if args.agent:
+            results = bench_agent(card, args, peak)
+        elif args.full_depth:
+            results = bench_full_depth(card, workloads, args, peak)
+        else:
+            results = bench_model(card, layers, workloads, args, peak)
     write_results(results, args)
 
 
@@ -468,6 +542,8 @@ def model_workloads(args):
 
 
 def table_name(args) -> str:
+    if args.agent:
+        return "policy_update_agent.csv"
     return "policy_update_full_depth.csv" if args.full_depth else "policy_update.csv"
 
 
