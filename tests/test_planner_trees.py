@@ -146,7 +146,7 @@ def behaviour_inputs(model, batch, numbers):
     old, ref = [], []
     for i in tokens.trajectory_of.tolist():
         t = torch.nonzero(batch.loss_masks[i][1:]).squeeze(1)
-        phase = 1.3 * numbers[i] + 0.7 * t.float()
+        phase = (1.3 * numbers[i] + 0.7 * t.float()).to(full[i].device)
         old.append(full[i][t] + 0.3 * torch.sin(phase))
         ref.append(full[i][t] + 0.1 * torch.sin(2.0 + phase))
     return tokens.split(torch.cat(old)), tokens.split(torch.cat(ref))

@@ -181,7 +181,8 @@ def logprobs_from_output(
         logprobs, entropy = (None if x is None else _gather_over_context_parallel(x, index, tokens.num_predictions,
                                                                                   gpt.context_parallel_group)
                              for x in (logprobs, entropy))
-    return tuple(None if x is None else tokens.expand(x) for x in (logprobs, entropy))
+    here = ResponseTokens.of(batch, hidden.device)  # its copy index already on the device: no copy per call
+    return tuple(None if x is None else here.expand(x) for x in (logprobs, entropy))
 
 
 def _check_batch(model, batch, layout: str) -> None:
