@@ -96,6 +96,12 @@ def test_a_tree_over_the_budget_is_split_into_subtrees_that_carry_their_path():
     plan = plan_micro_batches(trajectories, max_tokens=40, dp_size=2)  # halved for the second rank
     halves = [[tuple(trajectories[:2])], [tuple(trajectories[2:])]]
     assert [[mb.trajectories for mb in mbs] for mbs in plan.ranks] == halves
+    # below a common path (the root, then a turn with three answers): the fewest parts that fit with
+    # that path, two answers and the other with the root's other branch (the root and turn are 15
+    # tokens, each answer and the other branch 5)
+    deep = [*(Trajectory(root + [20] * 5 + [21 + a] * 5, group=0) for a in range(3)), Trajectory(root + [30] * 5, group=0)]
+    plan = plan_micro_batches(deep, max_tokens=25)
+    assert [mb.num_tokens for mb in plan.ranks[0]] == [25, 25]
     # a prefix of another trajectory goes with it and adds no token
     plan = plan_micro_batches([*trajectories, Trajectory(root[:4], group=0)], max_tokens=25)
     assert sorted(mb.num_tokens for mb in plan.ranks[0]) == [25, 25]

@@ -198,14 +198,15 @@ def test_a_shared_token_counts_once_per_trajectory_that_trains_it(dense):
 
 
 def test_logprobs_of_trees_follow_group_order(dense):
-    """forward_logprobs nests per group (first occurrence), per trajectory in input order."""
-    trajectories = [Trajectory([1, 2, 3], group=1), Trajectory([4, 5], group=0), Trajectory([1, 2, 6], group=1)]
+    """forward_logprobs nests per group (first occurrence), per trajectory in input order, its
+    trained tokens; trajectory_logprobs has every token t >= 1 of each trajectory, in input order."""
+    trajectories = [Trajectory([1, 2, 3], group=1), Trajectory([4, 5], group=0), Trajectory([1, 2, 6], [1, 1, 0], group=1)]
     batch = pack_trajectories(trajectories)
     with torch.no_grad():
         got = forward_logprobs(dense, batch)
         full = trajectory_logprobs(dense, batch)
-    assert [[x.numel() for x in group] for group in got] == [[2, 2], [1]]
-    torch.testing.assert_close(got[0][1], full[2])
+    assert [[x.numel() for x in group] for group in got] == [[2, 1], [1]] and [x.numel() for x in full] == [2, 1, 2]
+    torch.testing.assert_close(got[0][1], full[2][:1])
     torch.testing.assert_close(got[1][0], full[1])
     assert ResponseTokens.of(batch).trajectory_of.tolist() == [0, 2, 1]
 
