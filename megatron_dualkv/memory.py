@@ -34,8 +34,8 @@ GIB = 2**30
 # What the fused vocabulary projection holds per row of a chunk: the fp32 logits and their gradient
 # (ops/linear_logprobs.py), at most LOGITS_CHUNK_BYTES of logits at a time.
 LOGITS_CHUNK_BYTES = 2**30
-DEFAULT_MARGIN = 0.08
-GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations  # of the device's memory: the allocator's fragmentation and what it does not count
+DEFAULT_MARGIN = 0.08  # of the device's memory: the allocator's fragmentation and what it does not count
+GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations
 
 
 # ------------------------------------------------------------------------------------ parameters
