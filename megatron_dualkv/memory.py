@@ -144,12 +144,15 @@ def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[Sav
         SavedTensor("input norm: its input (the residual stream)", h, b, "seq"),
         SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "selective"),
         # Megatron's query reshape copies q out of linear_qkv's output; k and v stay views of it,
-        # so the k norm's saved input keeps the whole output alive
-        SavedTensor("q norm: its input, a copy of q", heads * d, b),
+        # so the k norm's saved input keeps the whole output alive. "selective" recomputes q and k
+        # (reshape, norm, RoPE) from their views of that output, which v keeps alive anyway.
+        SavedTensor("q norm: its input, a copy of q", heads * d, b, "tp", "selective"),
         SavedTensor("k norm: its input, a view of linear_qkv's output (q, k, v)", (heads + groups + values) * d, b),
-        SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none"),
-        SavedTensor("attention: q and k after RoPE, the output (linear_proj's input)", (2 * heads + groups) * d, b),
-        SavedTensor("norm statistics and the attention's log-sum-exp (fp32)", 2 * heads + groups + 2, 4),
+        SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none", "selective"),
+        SavedTensor("attention: q and k after RoPE", (heads + groups) * d, b, "tp", "selective"),
+        SavedTensor("attention: its output, linear_proj's input", heads * d, b),
+        SavedTensor("q and k norm statistics (fp32)", heads + groups, 4, "tp", "selective"),
+        SavedTensor("input and pre-MLP norm statistics, the attention's log-sum-exp (fp32)", heads + 2, 4),
     ]
     if layout == "replicated":
         tensors.append(SavedTensor("attention output made contiguous for linear_proj", heads * d, b))
