@@ -24,7 +24,7 @@ def probe():
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("card", ["qwen3-4b", "gemma3-4b"])
 def test_one_layer_keeps_what_the_model_counts(card, mode):
-    tool, tokens = probe(), 2048
+    tool, tokens = probe(), 8192
     one, _ = tool.held_after_forward(card, 1, mode, tokens, torch.bfloat16)
     two, config = tool.held_after_forward(card, 2, mode, tokens, torch.bfloat16)
     predicted = layer_activation_bytes(config, 2, ParallelSizes(), mode)
