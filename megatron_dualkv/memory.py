@@ -12,12 +12,13 @@ the stages (what every rank must fit). ``fit`` answers the launch script's and t
 predicted peak stays under the device's memory minus a margin.
 
 Activations are counted tensor by tensor as our layer specs save them for the backward, per token of
-the micro-batch (``LAYER_TENSORS``): every saved tensor is a number of elements per token that is a sum
+the micro-batch (``layer_tensors``): every saved tensor is a number of elements per token that is a sum
 of model dimensions, a dtype, and how tensor and sequence parallelism split it. Recompute drops some of
-them: "selective" the norm outputs and MLP activations that the next linear saves (those are recomputed
-from the norm inputs and the activations' inputs, which stay), a fully recomputed layer everything but
-its input. The counts were read off the code and checked against the H200 (PERF_NOTES.md); a change to a
-spec that saves other tensors must change them too.
+them: "selective" the norm outputs and MLP activations that the next linear saves and the rotated q
+and k with what the q/k norms and RoPE keep (all recomputed from tensors that stay), a fully
+recomputed layer everything but its input. The counts were read off the code and measured on the
+H200 (PERF_NOTES.md, session 19: one layer within 3.5%, ten whole steps' peaks within -0.2% to +7.2%);
+a change to a spec that saves other tensors must change them too (``tests/test_memory_gpu.py``).
 """
 from __future__ import annotations
 
@@ -28,12 +29,10 @@ import torch
 
 from .mcore.parallel import ParallelSizes, padded_vocab_size
 from .mcore.recompute import recompute_config_kwargs
+from .ops.linear_logprobs import CHUNK_ELEMENTS
 from .planner import moe_layer_flags
 
 GIB = 2**30
-# What the fused vocabulary projection holds per row of a chunk: the fp32 logits and their gradient
-# (ops/linear_logprobs.py), at most LOGITS_CHUNK_BYTES of logits at a time.
-LOGITS_CHUNK_BYTES = 2**30
 DEFAULT_MARGIN = 0.08  # of the device's memory: the allocator's fragmentation and what it does not count
 GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations
 
@@ -333,10 +332,11 @@ class MemoryModel:
         transient = GRADIENT_FACTOR * none_bytes + (none_bytes - held)
         if pp_rank == self.sizes.pp - 1:
             rows = predicting_rows / sizes.cp
-            vocab = self.vocab_size / sizes.tp
-            chunk_rows = min(rows, LOGITS_CHUNK_BYTES / (4 * vocab))
-            hidden = 2 * config.hidden_size * (tokens if sizes.sp else local_tokens)  # gathered under SP
-            transient = max(transient, 2 * chunk_rows * vocab * 4 + hidden + 4 * rows * config.hidden_size)
+            # one vocabulary chunk of logits and its gradient (bounded in fp32), the gathered hidden
+            # states under SP, and their fp32 gradient (ops/linear_logprobs.py)
+            chunk = min(rows * self.vocab_size / sizes.tp, CHUNK_ELEMENTS)
+            hidden = 2 * config.hidden_size * (tokens if sizes.sp else local_tokens)
+            transient = max(transient, 2 * chunk * 4 + hidden + 4 * rows * config.hidden_size)
         return transient
 
     # ---------------------------------------------------------------- totals
