@@ -277,7 +277,9 @@ def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[F
     fits = (whole, longest) if args.max_tokens == AUTO else (args.max_tokens,)
     for need in fits:
         try:
-            fit = memory.fit(budget, need, responses, multiple=sizes.token_multiple, **setting)
+            # a pipeline's first stage holds pp micro-batches at once (1F1B), however many a step has
+            fit = memory.fit(budget, need, responses, num_micro_batches=sizes.pp, multiple=sizes.token_multiple,
+                             **setting)
             break
         except ValueError as err:
             problem = err

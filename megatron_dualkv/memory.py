@@ -12,12 +12,13 @@ the stages (what every rank must fit). ``fit`` answers the launch script's and t
 predicted peak stays under the device's memory minus a margin.
 
 Activations are counted tensor by tensor as our layer specs save them for the backward, per token of
-the micro-batch (``LAYER_TENSORS``): every saved tensor is a number of elements per token that is a sum
+the micro-batch (``layer_tensors``): every saved tensor is a number of elements per token that is a sum
 of model dimensions, a dtype, and how tensor and sequence parallelism split it. Recompute drops some of
-them: "selective" the norm outputs and MLP activations that the next linear saves (those are recomputed
-from the norm inputs and the activations' inputs, which stay), a fully recomputed layer everything but
-its input. The counts were read off the code and checked against the H200 (PERF_NOTES.md); a change to a
-spec that saves other tensors must change them too.
+them: "selective" the norm outputs and MLP activations that the next linear saves and the rotated q
+and k with what the q/k norms and RoPE keep (all recomputed from tensors that stay), a fully
+recomputed layer everything but its input. The counts were read off the code and measured on the
+H200 (PERF_NOTES.md, session 19: one layer within 3.5%, ten whole steps' peaks within -0.2% to +7.2%);
+a change to a spec that saves other tensors must change them too (``tests/test_memory_gpu.py``).
 """
 from __future__ import annotations
 
@@ -28,14 +29,12 @@ import torch
 
 from .mcore.parallel import ParallelSizes, padded_vocab_size
 from .mcore.recompute import recompute_config_kwargs
+from .ops.linear_logprobs import CHUNK_ELEMENTS
 from .planner import moe_layer_flags
 
 GIB = 2**30
-# What the fused vocabulary projection holds per row of a chunk: the fp32 logits and their gradient
-# (ops/linear_logprobs.py), at most LOGITS_CHUNK_BYTES of logits at a time.
-LOGITS_CHUNK_BYTES = 2**30
-DEFAULT_MARGIN = 0.08
-GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations  # of the device's memory: the allocator's fragmentation and what it does not count
+DEFAULT_MARGIN = 0.08  # of the device's memory: the allocator's fragmentation and what it does not count
+GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations
 
 
 # ------------------------------------------------------------------------------------ parameters
@@ -144,12 +143,15 @@ def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[Sav
         SavedTensor("input norm: its input (the residual stream)", h, b, "seq"),
         SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "selective"),
         # Megatron's query reshape copies q out of linear_qkv's output; k and v stay views of it,
-        # so the k norm's saved input keeps the whole output alive
-        SavedTensor("q norm: its input, a copy of q", heads * d, b),
+        # so the k norm's saved input keeps the whole output alive. "selective" recomputes q and k
+        # (reshape, norm, RoPE) from their views of that output, which v keeps alive anyway.
+        SavedTensor("q norm: its input, a copy of q", heads * d, b, "tp", "selective"),
         SavedTensor("k norm: its input, a view of linear_qkv's output (q, k, v)", (heads + groups + values) * d, b),
-        SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none"),
-        SavedTensor("attention: q and k after RoPE, the output (linear_proj's input)", (2 * heads + groups) * d, b),
-        SavedTensor("norm statistics and the attention's log-sum-exp (fp32)", 2 * heads + groups + 2, 4),
+        SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none", "selective"),
+        SavedTensor("attention: q and k after RoPE", (heads + groups) * d, b, "tp", "selective"),
+        SavedTensor("attention: its output, linear_proj's input", heads * d, b),
+        SavedTensor("q and k norm statistics (fp32)", heads + groups, 4, "tp", "selective"),
+        SavedTensor("input and pre-MLP norm statistics, the attention's log-sum-exp (fp32)", heads + 2, 4),
     ]
     if layout == "replicated":
         tensors.append(SavedTensor("attention output made contiguous for linear_proj", heads * d, b))
@@ -330,10 +332,11 @@ class MemoryModel:
         transient = GRADIENT_FACTOR * none_bytes + (none_bytes - held)
         if pp_rank == self.sizes.pp - 1:
             rows = predicting_rows / sizes.cp
-            vocab = self.vocab_size / sizes.tp
-            chunk_rows = min(rows, LOGITS_CHUNK_BYTES / (4 * vocab))
-            hidden = 2 * config.hidden_size * (tokens if sizes.sp else local_tokens)  # gathered under SP
-            transient = max(transient, 2 * chunk_rows * vocab * 4 + hidden + 4 * rows * config.hidden_size)
+            # one vocabulary chunk of logits and its gradient (bounded in fp32), the gathered hidden
+            # states under SP, and their fp32 gradient (ops/linear_logprobs.py)
+            chunk = min(rows * self.vocab_size / sizes.tp, CHUNK_ELEMENTS)
+            hidden = 2 * config.hidden_size * (tokens if sizes.sp else local_tokens)
+            transient = max(transient, 2 * chunk * 4 + hidden + 4 * rows * config.hidden_size)
         return transient
 
     # ---------------------------------------------------------------- totals

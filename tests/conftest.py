@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # The Triton kernels run under the interpreter on machines without a GPU; the flag must be set
@@ -8,3 +9,24 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# What `pytest -m "not slow"` leaves out, for a quick run of the rest in a few minutes (CI runs all):
+# subprocess runs of the launch script and the tools, multi-process gloo runs, the Triton compile
+# check, the largest kernel sweeps under the interpreter, and on a GPU the modules that compile every
+# kernel variant or build full-width layers. One list, so that the subset is chosen in one place.
+SLOW_MODULES = {
+    "test_examples.py", "test_parallel.py", "test_export_hf_weights.py", "test_check_triton_compile.py",
+    "test_dualkv_attn_sm90.py", "test_dualkv_attn_gpu.py", "test_recompute_gpu.py", "test_memory_gpu.py",
+}
+SLOW_TESTS = {
+    "test_kernels_match_reference", "test_tma_loads", "test_many_groups_with_p1_and_r1_and_split_key_tiles",
+    "test_key_items_follow_the_window", "test_gradients_are_bitwise_reproducible",
+    "test_tensor_parallel_matches_one_rank", "test_expert_parallel_packed_equals_replicated",
+    "test_planned_micro_batches_reproduce_the_whole_batch", "test_importing_the_package_maps_nothing",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in SLOW_MODULES or getattr(item, "originalname", item.name) in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

@@ -101,8 +101,9 @@ PARALLEL_RUNS = {
     "gemma3_tp2_sp": ParallelRun("gemma3-tiny", 2, dict(tp=2)),
     "gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2)),
     # selective recompute: the linears save their local (sequence-parallel) inputs, the first of a
-    # stage's two layers is recomputed whole, the norms run on a context-parallel token slice, and
-    # the experts' activations are recomputed on each expert rank
+    # stage's two layers is recomputed whole, the norms and RoPE run on a context-parallel token
+    # slice (q and k recomputed before the all-to-all), and the experts' activations are recomputed
+    # on each expert rank
     "dense_tp2_sp_selective": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), recompute=dict(recompute="selective")),
     "dense_pp2_selective_1": ParallelRun("qwen3-tiny", 2, dict(pp=2), dict(num_layers=4),
                                          dict(recompute="selective", recompute_layers=1)),

@@ -56,11 +56,11 @@ def targets_for(rows, vocab_size, seed=1, device="cpu"):
 
 
 def check_against_float64(rows, hidden_size, vocab, vocab_size, chunk, softcap, with_entropy, dtype=torch.float64,
-                          seed=0, rtol=1e-9, atol=1e-9, device="cpu"):
+                          seed=0, rtol=1e-9, atol=1e-9, device="cpu", use_kernels=None):
     hidden, weight, upstream = problem(rows, hidden_size, vocab, seed, dtype, device=device)
     targets = targets_for(rows, vocab_size, seed, device)
     got = run(lambda h, w: linear_logprobs_func(h, w, targets, vocab_size=vocab_size, softcap=softcap,
-                                                with_entropy=with_entropy, chunk_columns=chunk),
+                                                with_entropy=with_entropy, chunk_columns=chunk, use_kernels=use_kernels),
               hidden, weight, upstream, with_entropy)
     want = run(lambda h, w: unfused(h, w, targets, vocab_size, softcap), hidden.double(), weight.double(), upstream,
                with_entropy)
@@ -122,7 +122,8 @@ def test_odd_sizes(rows, hidden_size, vocab, padding, chunk, softcap, with_entro
 def test_kernels_in_float32(rows, vocab, vocab_size, chunk, softcap):
     """The Triton kernels (interpreter on CPU) in float32: tiles of 4 x 1024 against chunks wider,
     narrower and ragged."""
-    check_against_float64(rows, 8, vocab, vocab_size, chunk, softcap, True, dtype=torch.float32, rtol=1e-5, atol=1e-5)
+    check_against_float64(rows, 8, vocab, vocab_size, chunk, softcap, True, dtype=torch.float32, rtol=1e-5, atol=1e-5,
+                          use_kernels=True)
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -133,7 +134,7 @@ def test_half_precision_within_twice_the_pytorch_error(softcap):
     hidden, weight, upstream = problem(16, 32, 1100, dtype=torch.float16, scale=0.5)
     targets = targets_for(16, 1050)
     ours = run(lambda h, w: linear_logprobs_func(h, w, targets, vocab_size=1050, softcap=softcap, with_entropy=True,
-                                                 chunk_columns=400), hidden, weight, upstream)
+                                                 chunk_columns=400, use_kernels=True), hidden, weight, upstream)
     pytorch = run(lambda h, w: unfused(h, w, targets, 1050, softcap), hidden, weight, upstream)
     exact = run(lambda h, w: unfused(h, w, targets, 1050, softcap), hidden.double(), weight.double(), upstream)
     for name, a, b, e in zip(("logprobs", "entropy", "d_hidden", "d_weight"), ours, pytorch, exact):

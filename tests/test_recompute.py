@@ -2,18 +2,21 @@
 
 Every mode must give the losses, log-probs and parameter gradients of a separately built model
 without recompute and the same weights, through Megatron's schedule with a GRPO loss; selective
-recompute must free exactly the norm outputs and MLP activations it promises (counted from the
-tensors autograd saved), and the settings no layer can run must be refused. The parallel runs
-(TP+SP, PP, CP, EP) are scenarios of tests/distributed_worker.py.
+recompute must free exactly the norm outputs, rotated q and k and MLP activations it promises
+(counted from the tensors autograd saved), without it the attention must be Megatron's bit for bit,
+and the settings no layer can run must be refused. The parallel runs (TP+SP, PP, CP, EP) are
+scenarios of tests/distributed_worker.py.
 """
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
 
 from megatron_dualkv.mcore import transformer_engine_available
 from megatron_dualkv.mcore.recompute import RECOMPUTE_MODES, checkpoint_without_output, recompute_config_kwargs
+from megatron_dualkv.mcore.self_attention import DualKVSelfAttention
 from megatron_dualkv.models import build_model
 from megatron_dualkv.models.builder import _BLOCK_RECOMPUTE_PASSES_PADDING
 from megatron_dualkv.rl import GRPOLoss, forward_backward
@@ -36,9 +39,9 @@ LOSS = GRPOLoss(clip_eps=0.2, kl_coef=0.05)
     (None, None, {}),
     ("none", None, {}),
     ("selective", None, dict(recompute_granularity="selective", recompute_modules=[], recompute_norms=True,
-                             recompute_activations=True)),
+                             recompute_qk_norm_rope=True, recompute_activations=True)),
     ("selective", 3, dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3,
-                          recompute_norms=True, recompute_activations=True)),
+                          recompute_norms=True, recompute_qk_norm_rope=True, recompute_activations=True)),
     ("full", None, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
     ("full", 2, dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)),
 ])
@@ -67,28 +70,28 @@ def _load_balanced(card: str, layers) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(card: str, overrides: tuple):
+def reference(card: str, overrides: tuple, layout: str = "packed"):
     """The model without recompute, its micro-batches, and its GRPO step's outputs and gradients."""
     model = build_model(card, **dict(overrides))
     batches = rl_micro_batches(model, SHAPES)
-    outputs, grads = grpo_step(model, batches)
+    outputs, grads = grpo_step(model, batches, layout)
     return model, batches, outputs, grads
 
 
-def grpo_step(model, batches):
+def grpo_step(model, batches, layout: str = "packed"):
     model.zero_grad(set_to_none=True)
-    outputs = forward_backward(model, batches, LOSS, with_entropy=True)
+    outputs = forward_backward(model, batches, LOSS, layout=layout, with_entropy=True)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return outputs, grads
 
 
-def check_same_step(card: str, overrides: dict, **build_kwargs):
+def check_same_step(card: str, overrides: dict, layout: str = "packed", **build_kwargs):
     """A GRPO step of the model built with ``build_kwargs`` equals the reference's, weight for weight."""
-    ref_model, batches, ref_outputs, ref_grads = reference(card, tuple(sorted(overrides.items())))
+    ref_model, batches, ref_outputs, ref_grads = reference(card, tuple(sorted(overrides.items())), layout)
     model = build_model(card, **overrides, **build_kwargs)
     model.load_state_dict(ref_model.state_dict())
-    outputs, grads = grpo_step(model, batches)
+    outputs, grads = grpo_step(model, batches, layout)
     for got, want in zip(outputs, ref_outputs, strict=True):
         assert max_abs_diff(got.logprobs, want.logprobs) < 1e-6
         assert max_abs_diff(got.entropy, want.entropy) < 1e-6
@@ -107,16 +110,38 @@ def check_same_step(card: str, overrides: dict, **build_kwargs):
 @pytest.mark.parametrize("card", CARDS)
 def test_recompute_gives_the_step_without_recompute(card, mode, layers):
     model = check_same_step(card, _load_balanced(card, layers), recompute=mode, recompute_layers=layers)
-    assert model.config.recompute_norms == model.config.recompute_activations == (mode == "selective")
+    config = model.config
+    selective = mode == "selective"
+    assert config.recompute_norms == config.recompute_qk_norm_rope == config.recompute_activations == selective
 
 
-def expected_release(config, num_tokens: int, layers: int) -> int:
-    """float32 bytes of the norm outputs (2 per layer) and MLP activations of ``layers`` layers."""
+@pytest.mark.parametrize("card", ["qwen3-tiny", "gemma4-tiny"])
+def test_selective_recompute_gives_the_step_without_recompute_on_the_replicated_layout(card):
+    """sbhd: Megatron's RoPE without cu_seqlens, over a batch of right-padded sequences."""
+    check_same_step(card, {}, layout="replicated", recompute="selective")
+
+
+@pytest.mark.parametrize("card", ["qwen3-tiny", "gemma4-tiny"])
+def test_qk_norm_rope_recompute_alone_gives_the_step_without_recompute(card):
+    check_same_step(card, {}, recompute_qk_norm_rope=True)
+
+
+def _attention_config(config, layer_number: int):
+    """The config of the layer's attention (Gemma's full-attention layers have their own head dim and heads)."""
+    return config.for_layer(layer_number) if hasattr(config, "for_layer") else config
+
+
+def expected_release(config, num_tokens: int, layer_numbers) -> int:
+    """float32 bytes of the norm outputs (2 per layer), the rotated q and MLP activations of these layers.
+
+    Of the rotated q and k only q: the CPU's attention (Megatron's DotProductAttention, the reference
+    DualKV attention) saves a repeat_interleave'd copy of k for GQA, not k."""
     if config.num_moe_experts:
         activations = num_tokens * config.moe_router_topk * config.moe_ffn_hidden_size  # each token routed topk times
     else:
         activations = num_tokens * config.ffn_hidden_size
-    return 4 * layers * (2 * num_tokens * config.hidden_size + activations)
+    rotated_queries = sum(config.num_attention_heads * _attention_config(config, n).kv_channels for n in layer_numbers)
+    return 4 * (len(layer_numbers) * (2 * num_tokens * config.hidden_size + activations) + num_tokens * rotated_queries)
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -130,8 +155,9 @@ def test_selective_recompute_frees_the_norm_outputs_and_activations(card):
         measured[mode, layers] = saved_tensors(model, batch)
     none, selective, selective_1 = measured[None, None], measured["selective", None], measured["selective", 1]
     config, tokens = ref_model.config, batch.num_tokens
-    assert selective.released == expected_release(config, tokens, config.num_layers)
-    assert selective_1.released == expected_release(config, tokens, config.num_layers - 1)  # layer 1 recomputed whole
+    layers = range(1, config.num_layers + 1)
+    assert selective.released == expected_release(config, tokens, layers)
+    assert selective_1.released == expected_release(config, tokens, layers[1:])  # layer 1 recomputed whole
     assert none.released == measured["full", None].released == measured["full", 1].released == 0
     # what the recompute saves instead (the norms' inputs, fc1's output) was saved anyway
     assert selective.kept + selective.released <= none.kept
@@ -139,19 +165,75 @@ def test_selective_recompute_frees_the_norm_outputs_and_activations(card):
     assert measured["full", None].kept < measured["full", 1].kept < none.kept
 
 
+def qk_norm_rope_release(config, num_tokens: int) -> tuple:
+    """float32 bytes (kept, released) that recompute_qk_norm_rope frees in every layer, on the CPU.
+
+    Kept no more: the q norm's input where the query reshape copies it (more than one key/value
+    head; with one it is a view of linear_qkv's output, alive anyway), RoPE's cos and sin for q and
+    k, the q/k norms' statistics and their normalised input: the CPU's unfused RMSNorm (torch's, and
+    Gemma's reference one) saves it for the weight's gradient, and the zero-centred (Gemma 3) norm
+    its ``1 + w``; fused GPU norms save neither. Released: the rotated q, which the CPU's attention
+    saves as a view (of k it saves a copy, so the rotated k was never kept there).
+    """
+    kept = released = 0
+    for number in range(1, config.num_layers + 1):
+        layer = _attention_config(config, number)
+        heads, groups, d = layer.num_attention_heads, layer.num_query_groups, layer.kv_channels
+        query_copy = heads * d if groups > 1 else 0
+        normed = (heads + groups) * (d + 1)  # normalised input and statistics
+        kept += 4 * num_tokens * (query_copy + 4 * d + normed) + (8 * d if config.layernorm_zero_centered_gamma else 0)
+        released += 4 * num_tokens * heads * d
+    return kept, released
+
+
+@pytest.mark.parametrize("card", CARDS)
+def test_selective_recompute_frees_the_qk_norm_and_rope_tensors(card):
+    batch = make_batch([(40, [30, 20, 30])], pad_to_multiple_of=8)
+    ref_model = reference(card, ())[0]
+    measured = {}
+    for qk_norm_rope in (False, True):
+        model = build_model(card, **{**recompute_config_kwargs("selective"), "recompute_qk_norm_rope": qk_norm_rope})
+        model.load_state_dict(ref_model.state_dict())
+        measured[qk_norm_rope] = saved_tensors(model, batch)
+    kept, released = qk_norm_rope_release(ref_model.config, batch.num_tokens)
+    assert measured[True].released - measured[False].released == released
+    assert measured[False].kept - measured[True].kept == kept + released
+    assert not any(name.endswith(("q_layernorm", "k_layernorm")) for name in measured[True].by_module)
+
+
+@pytest.mark.parametrize("card", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_without_qk_norm_rope_recompute_the_attention_is_megatrons(card):
+    """Bit for bit the step of the same model with Megatron's SelfAttention in every layer."""
+    model, batches, _, _ = reference(card, ())
+    with_ours = grpo_step(model, batches)
+    for layer in model.decoder.layers:
+        layer.self_attention.__class__ = SelfAttention
+    try:
+        with_megatrons = grpo_step(model, batches)
+    finally:
+        for layer in model.decoder.layers:
+            layer.self_attention.__class__ = DualKVSelfAttention
+    for got, want in zip(with_ours[0], with_megatrons[0], strict=True):
+        assert torch.equal(got.loss, want.loss)
+        assert all(torch.equal(a, b) for ga, gb in zip(got.logprobs, want.logprobs) for a, b in zip(ga, gb))
+    assert all(torch.equal(with_ours[1][name], grad) for name, grad in with_megatrons[1].items())
+
+
 def test_layers_recomputed_whole_run_their_norms_and_activation_once_more():
     """selective + 1: layer 1 is Megatron's to recompute (no-grad forward, then once in the backward),
-    layer 2 recomputes its norms and activation once in the backward; neither computes anything a
-    third time."""
+    layer 2 recomputes its norms (the q/k norms with RoPE) and activation once in the backward;
+    neither computes anything a third time."""
     model = build_model("qwen3-tiny", recompute="selective", recompute_layers=1)
     calls = []
     for number, layer in enumerate(model.decoder.layers, start=1):
-        for module, method in ((layer.input_layernorm, "compute"), (layer.pre_mlp_layernorm, "compute"),
+        attention = layer.self_attention
+        for module, method in ((layer.input_layernorm, "compute"), (attention.q_layernorm, "compute"),
+                               (attention.k_layernorm, "compute"), (layer.pre_mlp_layernorm, "compute"),
                                (layer.mlp, "activation")):
             original = getattr(module, method)
             setattr(module, method, functools.partial(_counted, calls, number, original))
     forward_backward(model, rl_micro_batches(reference("qwen3-tiny", ())[0], SHAPES[:1]), LOSS)
-    assert sorted(calls) == [1] * 6 + [2] * 6  # per layer: 3 functions, each twice
+    assert sorted(calls) == [1] * 10 + [2] * 10  # per layer: 5 functions, each twice
 
 
 def _counted(calls, number, function, *args):
@@ -178,7 +260,10 @@ def test_megatron_module_recompute_runs_without_transformer_engine(card, module)
     (dict(recompute="none", recompute_layers=1), "needs recompute='selective' or 'full'"),
     (dict(recompute="selective", recompute_granularity="full"), "do not also pass recompute_granularity"),
     (dict(recompute="full", recompute_norms=True), "do not also pass recompute_norms"),
-    (dict(recompute="selective", use_transformer_engine=True), "recompute_norms and recompute_activations .* Transf"),
+    (dict(recompute="selective", use_transformer_engine=True),
+     "recompute_norms, recompute_qk_norm_rope, recompute_activations .* Transf"),
+    (dict(recompute="selective", attention_output_gate=True),
+     "recompute_qk_norm_rope: the attention runs without attention_output_gate"),
     (dict(recompute="selective", normalization="LayerNorm"), "recompute_norms: layer 1's input_layernorm is a Layer"),
     (dict(recompute_norms=True, normalization="LayerNorm"), "recompute_norms: layer 1's input_layernorm"),
     (dict(recompute_activations=True, bias_activation_fusion=True, activation_func=F.gelu, add_bias_linear=True),

@@ -1,6 +1,7 @@
 """Activation recompute on the GPU: bf16 and the CUDA paths (compiled RMSNorm, Megatron's fused
 SwiGLU, GroupedMMExperts' grouped matmuls on sm_90+, the Triton RMSNorm and GeGLU of Gemma, the
-DualKV kernels), which the CPU tests (tests/test_recompute.py, float32) do not run.
+DualKV kernels, which save the rotated q and k themselves), which the CPU tests
+(tests/test_recompute.py, float32) do not run.
 
     python -m pytest -q -s tests/test_recompute_gpu.py
 
@@ -83,6 +84,12 @@ def _per_token_and_layer(measured, num_tokens: int, num_layers: int):
     return {module: total / num_tokens / num_layers for module, total in sorted(table.items())}
 
 
+def _rotated_query_key(config, layer_number: int) -> int:
+    """Elements per token of the layer's rotated q and k, which the DualKV kernel saves as they are."""
+    layer = config.for_layer(layer_number) if hasattr(config, "for_layer") else config
+    return (layer.num_attention_heads + layer.num_query_groups) * layer.kv_channels
+
+
 @pytest.mark.parametrize("card, num_layers", MODELS, ids=[card for card, _ in MODELS])
 def test_selective_recompute_frees_the_norm_outputs_and_activations_in_bf16(card, num_layers):
     models = _models(card, num_layers)
@@ -99,7 +106,8 @@ def test_selective_recompute_frees_the_norm_outputs_and_activations_in_bf16(card
         activations = tokens * config.moe_router_topk * config.moe_ffn_hidden_size
     else:
         activations = tokens * config.ffn_hidden_size
-    per_layer = 2 * (2 * tokens * config.hidden_size + activations)  # bf16
-    assert measured["selective", None].released == config.num_layers * per_layer
-    assert measured["selective", 1].released == (config.num_layers - 1) * per_layer
+    per_layer = [2 * (2 * tokens * config.hidden_size + activations + tokens * _rotated_query_key(config, n))  # bf16
+                 for n in range(1, config.num_layers + 1)]
+    assert measured["selective", None].released == sum(per_layer)
+    assert measured["selective", 1].released == sum(per_layer[1:])
     assert measured["selective", None].kept + measured["selective", None].released <= measured[None, None].kept

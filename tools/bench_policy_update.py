@@ -90,7 +90,7 @@ class Result:
     recompute: str = "none"
     recompute_layers: int = 0  # fully recomputed layers per stage on top of "selective" (0: none)
     recompute_flops: float = 0.0  # FLOPs recompute adds, over the layout's useful FLOPs
-    predicted_gib: float = float("nan")  # the memory model's peak for the setting
+    predicted_gib: float = 0.0  # the memory model's peak for the setting (--full-depth)
     workload: str = "group"  # "group": one prompt and N responses; "agent": --agent's trajectories
 
 

@@ -14,7 +14,8 @@ Built from subclasses and a ``ModuleSpec``, never by editing Megatron (transform
   direction on GPU (``ops/geglu.py``; Megatron fuses only erf-GELU and SiLU gates).
 * ``GemmaSelfAttention``: per-layer-type head dim and key/value heads (Gemma 4 full-attention
   layers: 512 and fewer heads), keys reused as values (``attention_k_eq_v``), the value norm, and
-  the layer type's RoPE frequencies.
+  the layer type's RoPE frequencies; a ``DualKVSelfAttention``, so its q/k norms and RoPE are
+  recomputed under ``recompute_qk_norm_rope``.
 * ``GemmaTransformerLayer``: ``DualKVTransformerLayer`` (the selective recompute of
   ``mcore.recompute``, which also covers ``GemmaRMSNorm`` and ``GemmaMLP``) times Gemma 4's
   ``layer_scalar``.
@@ -37,7 +38,7 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -55,6 +56,7 @@ from .glu import plain_gated_linear_unit
 from .gpt_model import DualKVGPTModel
 from .mlp import DualKVMLP
 from .recompute import DualKVTransformerLayer, RecomputableOutput
+from .self_attention import DualKVSelfAttention
 
 
 @dataclass
@@ -162,11 +164,12 @@ class GemmaSelfAttentionSubmodules(SelfAttentionSubmodules):
     v_layernorm: Optional[ModuleSpec] = None
 
 
-class GemmaSelfAttention(SelfAttention):
+class GemmaSelfAttention(DualKVSelfAttention):
     """``SelfAttention`` of one Gemma layer type (see ``GemmaTransformerConfig``).
 
     Takes the model's ``LayerTypeRotaryEmbedding`` table as ``rotary_pos_emb`` and applies the
-    columns of its own layer type.
+    columns of its own layer type. The value norm is applied outside the recomputed q and k
+    (``DualKVSelfAttention``).
     """
 
     def __init__(
@@ -206,28 +209,26 @@ class GemmaSelfAttention(SelfAttention):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         if output_gate or not split_qkv:
             raise ValueError("GemmaSelfAttention has no output gate and splits q/k/v (fused_single_qkv_rope off)")
-        if self.keys_are_values:
-            query, key, value = self._query_key_and_keys_as_values(hidden_states)
+        if self.keys_are_values and not self.rotating_query_key:  # Megatron's split expects value rows
+            query, key, value = self.unnormed_query_key_value(hidden_states)
+            query, key = self.normed_query(query), self.normed_key(key)
         else:
             query, key, value = super().get_query_key_value_tensors(hidden_states, key_value_states)
         if self.v_layernorm is not None:
             value = self.v_layernorm(value)
         return query, key, value
 
-    def _query_key_and_keys_as_values(self, hidden_states: Tensor):
-        """[sq, b, h] -> query [sq, b, np, hn], normed key and raw key (the values) [sq, b, ng, hn]."""
+    def unnormed_query_key_value(self, hidden_states: Tensor):
+        """``DualKVSelfAttention``'s; with keys as values the raw keys (views of linear_qkv's ``[q | k]``
+        output) are the values too."""
+        if not self.keys_are_values:
+            return super().unnormed_query_key_value(hidden_states)
         mixed, _ = self.linear_qkv(hidden_states)
         heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         head_dim = self.hidden_size_per_attention_head
         mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (heads_per_group + 1) * head_dim)
         query, key = torch.split(mixed, [heads_per_group * head_dim, head_dim], dim=3)
-        query = query.reshape(*query.shape[:2], -1, head_dim)
-        value = key
-        if self.q_layernorm is not None:
-            query = self.q_layernorm(query)
-        if self.k_layernorm is not None:
-            key = self.k_layernorm(key)
-        return query, key, value
+        return query, key, key
 
 
 def _without_value_rows(linear_qkv):

@@ -3,15 +3,16 @@
 Everything else (linears, norms, MLP or MoE, the dense/MoE layer pattern of
 ``config.moe_layer_freq``, the layers of this pipeline stage) is whatever Megatron's
 ``get_gpt_decoder_block_spec`` builds from the ``TransformerConfig``; only the core-attention
-submodule is swapped, through ``ModuleSpec`` copies, never by patching Megatron.
+submodule (and in the local spec, the modules below) is swapped, through ``ModuleSpec`` copies,
+never by patching Megatron.
 
 * ``dualkv_local_block_spec``: torch-native modules (ColumnParallelLinear, torch RMSNorm,
   SequentialMLP experts as ``GroupedMMExperts``, or legacy GroupedMLP when the grouped_gemm
   package is installed; MoE layers as ``GatheredPermutationMoELayer``);
   runs on CPU and GPU. Its torch norms are ``SequenceParallelTorchNorm`` (``mcore.norms``), so it
   also runs under sequence parallelism. Its layers are ``DualKVTransformerLayer``s, which run the
-  selective recompute of ``mcore.recompute`` (with ``recompute_activations``, the dense MLP is
-  ``DualKVMLP``).
+  selective recompute of ``mcore.recompute``, with ``DualKVSelfAttention`` (Megatron's own path
+  unless ``recompute_qk_norm_rope``) and, with ``recompute_activations``, ``DualKVMLP``.
 * ``dualkv_te_block_spec``: Transformer Engine linears and norms (LayerNorm fused into the QKV
   and FC1 linears, TEGroupedMLP experts); only when transformer_engine imports. Megatron's own
   layers: our selective recompute does not apply (TE's is Megatron's ``recompute_modules``).
@@ -36,6 +37,7 @@ from .mlp import with_dualkv_mlp
 from .moe_layer import with_gathered_permutation
 from .norms import with_sequence_parallel_torch_norms
 from .recompute import DualKVTransformerLayer
+from .self_attention import DualKVSelfAttention
 
 
 def transformer_engine_available() -> bool:
@@ -51,7 +53,7 @@ def dualkv_local_block_spec(config: TransformerConfig, vp_stage: Optional[int] =
     # and FusedLayerNorm rejects RMSNorm; the torch norm follows config.normalization.
     block = replace(block, layer_norm=WrappedTorchNorm)
     block = replace(block, layer_specs=[_local_layer(spec, config) for spec in block.layer_specs])
-    return _with_dualkv_attention(with_sequence_parallel_torch_norms(block))
+    return _with_dualkv_attention(with_sequence_parallel_torch_norms(block), DualKVSelfAttention)
 
 
 def dualkv_te_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
@@ -61,8 +63,11 @@ def dualkv_te_block_spec(config: TransformerConfig, vp_stage: Optional[int] = No
     return _with_dualkv_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage))
 
 
-def _with_dualkv_attention(block: TransformerBlockSubmodules) -> TransformerBlockSubmodules:
-    return replace(block, layer_specs=[_layer_with_dualkv_attention(spec) for spec in block.layer_specs])
+def _with_dualkv_attention(block: TransformerBlockSubmodules, self_attention: type = SelfAttention):
+    """The block's layers with DualKV core attention in ``self_attention`` (Megatron's SelfAttention
+    or a subclass)."""
+    layers = [_layer_with_dualkv_attention(spec, self_attention) for spec in block.layer_specs]
+    return replace(block, layer_specs=layers)
 
 
 def _local_layer(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
@@ -76,9 +81,10 @@ def _local_layer(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     return replace(layer, module=DualKVTransformerLayer, submodules=replace(layer.submodules, mlp=mlp))
 
 
-def _layer_with_dualkv_attention(layer: ModuleSpec) -> ModuleSpec:
+def _layer_with_dualkv_attention(layer: ModuleSpec, self_attention: type) -> ModuleSpec:
     attention = layer.submodules.self_attention
     if attention.module is not SelfAttention:
         raise ValueError(f"DualKV layer specs replace the core attention of SelfAttention, got {attention.module.__name__}")
-    attention = replace(attention, submodules=replace(attention.submodules, core_attention=DualKVAttention))
+    attention = replace(attention, module=self_attention,
+                        submodules=replace(attention.submodules, core_attention=DualKVAttention))
     return replace(layer, submodules=replace(layer.submodules, self_attention=attention))

@@ -205,6 +205,9 @@ def pipeline_stage_fields(num_layers: int, sizes: ParallelSizes, config_fields: 
         _check_stage_layers(num_layers, sizes, first, last)
         return {}
     chunks = sizes.vpp or 1
+    if chunks > 1 and num_layers < sizes.pp * chunks:
+        raise ValueError(f"num_layers ({num_layers}) is fewer than the pp*vpp ({sizes.pp * chunks}) pipeline stages and "
+                         "model chunks: each needs a layer")
     if sizes.pp == 1 or num_layers % (sizes.pp * chunks) == 0 or any(config_fields.get(f) for f in _OTHER_SPLIT_FIELDS):
         return {}
     if num_layers % chunks:

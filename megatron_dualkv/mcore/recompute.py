@@ -6,10 +6,11 @@ fields, the one definition the builder, launch scripts, benchmarks and the memor
 
 * ``"none"``: every activation is kept for the backward.
 * ``"selective"``: in every layer, the outputs of the input and pre-MLP norms (what ``linear_qkv``
-  and ``linear_fc1`` save) and of the MLP activation (what ``linear_fc2`` saves: SwiGLU, Gemma's
-  GeGLU, the routed experts' SwiGLU) are freed once their consumer has saved them and recomputed
-  in the backward. With ``recompute_layers=N``, Megatron also recomputes the first N layers of every
-  pipeline stage (model chunk) whole, and the selective part is off inside those layers.
+  and ``linear_fc1`` save), the normed and rotated q and k (what the attention kernel saves) and
+  the MLP activation (what ``linear_fc2`` saves: SwiGLU, Gemma's GeGLU, the routed experts' SwiGLU)
+  are freed once their consumer has saved them and recomputed in the backward. With
+  ``recompute_layers=N``, Megatron also recomputes the first N layers of every pipeline stage
+  (model chunk) whole, and the selective part is off inside those layers.
 * ``"full"``: Megatron's full recompute: every layer keeps only its input (``recompute_layers=N``:
   only the first N layers of every stage or chunk do, the others keep everything).
 
@@ -24,8 +25,9 @@ and restores no RNG state (unlike Megatron's, which forks the RNG states for dro
 for deterministic functions, the norms and activations of our specs.
 
 The modules: norms that subclass ``RecomputableOutput`` (``FusedRMSNorm``, ``GemmaRMSNorm``),
-activations of ``RecomputableActivation`` modules (``DualKVMLP`` and ``GemmaMLP``,
-``GroupedMMExperts``), switched on per layer by ``DualKVTransformerLayer``.
+q/k norms and RoPE of ``RecomputableQueryKey`` self-attentions (``DualKVSelfAttention``,
+``GemmaSelfAttention``), activations of ``RecomputableActivation`` modules (``DualKVMLP`` and
+``GemmaMLP``, ``GroupedMMExperts``), switched on per layer by ``DualKVTransformerLayer``.
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None) -
         # Megatron's own selective modules stay off: "layernorm" and "moe_act" need TE, and
         # "core_attn" would recompute a fused attention kernel for nothing.
         kwargs.update(recompute_granularity="selective", recompute_modules=[], recompute_norms=True,
-                      recompute_activations=True)
+                      recompute_qk_norm_rope=True, recompute_activations=True)
     if layers is not None:
         kwargs.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers)
         kwargs.pop("recompute_modules", None)
@@ -186,10 +188,18 @@ class RecomputableActivation:
     """Set per layer by ``DualKVTransformerLayer``."""
 
 
+class RecomputableQueryKey:
+    """Mixin of the self-attention modules whose normed and rotated q and k can be recomputed
+    instead of kept (``DualKVSelfAttention``: released after the attention sublayer's forward)."""
+
+    recompute_qk_norm_rope = False
+    """Set per layer by ``DualKVTransformerLayer``."""
+
+
 class DualKVTransformerLayer(TransformerLayer):
     """``TransformerLayer`` running the selective recompute of ``DualKVTransformerConfig``
-    (``recompute_norms``, ``recompute_activations``), except in layers that Megatron recomputes
-    whole: there the norms and activations would be recomputed twice.
+    (``recompute_norms``, ``recompute_qk_norm_rope``, ``recompute_activations``), except in layers
+    that Megatron recomputes whole: there the norms and activations would be recomputed twice.
 
     The input norm's output is released after the self-attention's forward, the pre-MLP norm's
     after the MLP's (the router and the token permutation of a MoE layer read it too): the
@@ -202,6 +212,8 @@ class DualKVTransformerLayer(TransformerLayer):
             return
         if getattr(config, "recompute_norms", False):
             self._recompute_norm_outputs()
+        if getattr(config, "recompute_qk_norm_rope", False):
+            self._recompute_query_key()
         if getattr(config, "recompute_activations", False):
             self._recompute_activation()
 
@@ -216,6 +228,14 @@ class DualKVTransformerLayer(TransformerLayer):
                 )
             norm.recompute_output = True
             consumer.register_forward_hook(partial(_discard_norm_output, norm))
+
+    def _recompute_query_key(self) -> None:
+        if not isinstance(self.self_attention, RecomputableQueryKey):
+            raise ValueError(
+                f"recompute_qk_norm_rope: layer {self.layer_number}'s {type(self.self_attention).__name__} cannot "
+                "recompute its q/k norms and RoPE (the local and Gemma specs' DualKVSelfAttention can)"
+            )
+        self.self_attention.recompute_qk_norm_rope = True
 
     def _recompute_activation(self) -> None:
         # MoE layers: the routed experts' activation; the router and shared experts are left alone

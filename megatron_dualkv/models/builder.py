@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Megatron-Core 0.16's block recompute calls the layers it does not recompute without the padding mask
 _BLOCK_RECOMPUTE_PASSES_PADDING = (package_info.MAJOR, package_info.MINOR) >= (0, 17)
 _RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
-                     "recompute_norms", "recompute_activations")
+                     "recompute_norms", "recompute_qk_norm_rope", "recompute_activations")
 
 
 def family_of(card: ModelCard) -> ModelFamily:
@@ -106,8 +106,8 @@ def build_model(
         1: a multiple of tp only). The model's ``vocab_size`` is the padded size,
         ``unpadded_vocab_size`` the card's; the padded rows are no token, and the log-probs leave
         them out of every softmax.
-    recompute: activation recompute, "none" (None), "selective" (the norm outputs and MLP
-        activations of every layer, by the local and Gemma specs, no TE needed) or "full"
+    recompute: activation recompute, "none" (None), "selective" (the norm outputs, rotated q and
+        k and MLP activations of every layer, by the local and Gemma specs, no TE needed) or "full"
         (Megatron's full recompute); recompute_layers=N: the first N layers of every pipeline
         stage (model chunk) recomputed whole, by Megatron, with "selective" or "full"
         (``mcore.recompute.recompute_config_kwargs`` gives the config fields of each setting).
@@ -255,10 +255,11 @@ def _check_recompute(config: TransformerConfig, use_transformer_engine: bool) ->
                 "not recompute without the padding mask, so their routing statistics would count the packing's "
                 "padding tokens; set those off, recompute every layer, or use megatron-core 0.17+"
             )
-    ours = [k for k in ("recompute_norms", "recompute_activations") if getattr(config, k, False)]
+    ours = [k for k in ("recompute_norms", "recompute_qk_norm_rope", "recompute_activations")
+            if getattr(config, k, False)]
     if ours and use_transformer_engine:
         raise ValueError(
-            f"{' and '.join(ours)} (recompute='selective') run in the local spec's layers, not in Transformer "
+            f"{', '.join(ours)} (recompute='selective') run in the local spec's layers, not in Transformer "
             "Engine's, which fuses the norms into its linears: build with use_transformer_engine=False, or use "
             "Megatron's recompute_modules with TE"
         )

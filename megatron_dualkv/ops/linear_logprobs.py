@@ -167,9 +167,10 @@ def _chunk_grad_torch(x: Tensor, targets: Tensor, col_offset: int, lse: Tensor, 
     x.copy_(dz)
 
 
-def _chunk_stats(x: Tensor, targets: Tensor, col_offset: int, stats: _RowStats, softcap: Optional[float]) -> None:
+def _chunk_stats(x: Tensor, targets: Tensor, col_offset: int, stats: _RowStats, softcap: Optional[float],
+                 kernels: bool) -> None:
     """Fold the logits chunk x (rows, n_cols) of vocabulary columns col_offset.. into ``stats``."""
-    if not _uses_kernels(x, stats.m):
+    if not (kernels and _kernels_take(x, stats.m)):
         return _chunk_stats_torch(x, targets, col_offset, stats, softcap)
     if x.shape[0] == 0:  # no grid to launch for no rows
         return
@@ -180,9 +181,9 @@ def _chunk_stats(x: Tensor, targets: Tensor, col_offset: int, stats: _RowStats, 
 
 
 def _chunk_grad(x: Tensor, targets: Tensor, col_offset: int, lse: Tensor, mean_z: Optional[Tensor], g_logp: Tensor,
-                g_entropy: Optional[Tensor], softcap: Optional[float]) -> None:
+                g_entropy: Optional[Tensor], softcap: Optional[float], kernels: bool) -> None:
     """The logits chunk x -> the gradient of the loss with respect to it, in place."""
-    if not _uses_kernels(x, lse):
+    if not (kernels and _kernels_take(x, lse)):
         return _chunk_grad_torch(x, targets, col_offset, lse, mean_z, g_logp, g_entropy, softcap)
     if x.numel() == 0:
         return
@@ -193,8 +194,8 @@ def _chunk_grad(x: Tensor, targets: Tensor, col_offset: int, lse: Tensor, mean_z
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
 
-def _uses_kernels(x: Tensor, stats: Tensor) -> bool:
-    return x.dtype in KERNEL_DTYPES and stats.dtype == torch.float32 and triton_available(x.device)
+def _kernels_take(x: Tensor, stats: Tensor) -> bool:
+    return x.dtype in KERNEL_DTYPES and stats.dtype == torch.float32
 
 
 def _merge_over_shards(stats: _RowStats, tp_group: Optional[dist.ProcessGroup]) -> _RowStats:
@@ -220,6 +221,7 @@ class _Shard:
     offset: int
     valid: int
     chunk: int
+    kernels: bool  # the Triton kernels do each chunk's elementwise work, else PyTorch ops
 
     def chunks(self):
         for start in range(0, self.valid, self.chunk):
@@ -232,7 +234,7 @@ class _LinearLogprobs(torch.autograd.Function):
         stats_dtype = torch.promote_types(hidden.dtype, torch.float32)
         stats = _RowStats.start(hidden.shape[0], stats_dtype, hidden.device, with_entropy)
         for start, stop in shard.chunks():
-            _chunk_stats(hidden @ weight[start:stop].T, targets, shard.offset + start, stats, softcap)
+            _chunk_stats(hidden @ weight[start:stop].T, targets, shard.offset + start, stats, softcap, shard.kernels)
         stats = _merge_over_shards(stats, tp_group)
         log_s = stats.s.log()
         lse = stats.m + log_s
@@ -263,7 +265,7 @@ class _LinearLogprobs(torch.autograd.Function):
         for start, stop in shard.chunks():
             w = weight[start:stop]
             dx = hidden @ w.T
-            _chunk_grad(dx, targets, shard.offset + start, lse, mean_z, g_logp, g_entropy, ctx.softcap)
+            _chunk_grad(dx, targets, shard.offset + start, lse, mean_z, g_logp, g_entropy, ctx.softcap, shard.kernels)
             if need_weight:
                 torch.mm(dx.T, hidden, out=d_weight[start:stop])
             if need_hidden:
@@ -284,6 +286,7 @@ def linear_logprobs_func(
     softcap: Optional[float] = None,
     with_entropy: bool = False,
     chunk_columns: Optional[int] = None,
+    use_kernels: Optional[bool] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """log p(target) and (optionally) the entropy of each row of the logits ``hidden @ weight.T``,
     without ever holding those logits (see the module docstring).
@@ -296,6 +299,9 @@ def linear_logprobs_func(
     for tensor parallelism, left out of every softmax (zero weight gradient). None: V_local * tp.
     softcap: the logits become ``softcap * tanh(logits / softcap)`` (Gemma's final logit softcap).
     chunk_columns: vocabulary columns per chunk (default: about 1 GiB of fp32 logits per chunk).
+    use_kernels: the Triton kernels do each chunk's elementwise work: None on CUDA devices, True
+        wherever Triton runs (also CPU under ``TRITON_INTERPRET=1``, which the tests use: slow), False
+        never (PyTorch ops). float64 always takes PyTorch ops.
     Returns (logprobs (N,), entropy (N,) or None), float32 (float64 for float64 inputs).
 
     Gradients: the weight gets this shard's own (the loss that follows is the same on every
@@ -309,7 +315,8 @@ def linear_logprobs_func(
     valid = min(max(vocab_size - rank * local, 0), local)
     if chunk_columns is None:
         chunk_columns = max(MIN_CHUNK_COLUMNS, CHUNK_ELEMENTS // max(hidden.shape[0], 1))
-    shard = _Shard(offset=rank * local, valid=valid, chunk=min(chunk_columns, max(valid, 1)))
+    kernels = hidden.is_cuda if use_kernels is None else bool(use_kernels) and triton_available(hidden.device)
+    shard = _Shard(offset=rank * local, valid=valid, chunk=min(chunk_columns, max(valid, 1)), kernels=kernels)
     targets = targets.to(hidden.device, torch.int64, non_blocking=True).contiguous()
     return _LinearLogprobs.apply(hidden, weight, targets, shard, tp_group, None if softcap is None else float(softcap),
                                  bool(with_entropy))

@@ -1,0 +1,31 @@
+"""What one decoder layer keeps for its backward on the GPU, against the memory model's count
+(``megatron_dualkv.memory.layer_activation_bytes``), with the measurement of
+tools/probe_activation_memory.py: the memory allocated after a forward, one layer against two."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dualkv.mcore import ParallelSizes
+from megatron_dualkv.memory import layer_activation_bytes
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' saved tensors are the GPU's")
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "probe_activation_memory.py"
+
+
+def probe():
+    spec = importlib.util.spec_from_file_location("probe_activation_memory", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("card", ["qwen3-4b", "gemma3-4b"])
+def test_one_layer_keeps_what_the_model_counts(card, mode):
+    tool, tokens = probe(), 8192
+    one, _ = tool.held_after_forward(card, 1, mode, tokens, torch.bfloat16)
+    two, config = tool.held_after_forward(card, 2, mode, tokens, torch.bfloat16)
+    predicted = layer_activation_bytes(config, 2, ParallelSizes(), mode)
+    assert (two - one) / tokens == pytest.approx(predicted, rel=0.05)
