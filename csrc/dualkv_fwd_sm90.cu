@@ -4,8 +4,15 @@
 // One CTA per (query tile inside one segment, query head): the tables of the Triton forward
 // (megatron_dualkv/ops/dualkv_attn.py, query_tiles with Tiles<D>::BLOCK_M-row tiles). Warpgroup 0
 // is the producer: one warp streams blocks of BLOCK_N keys (128 at D = 128, 64 at D = 256, 32 at
-// D = 512) into 2-stage K and V rings, first the group's prompt (every key visible; the last block
-// is cut at the prompt's end), then the tile's own segment up to the tile's end (causal).
+// D = 512) into 2-stage K and V rings, first the tile's ancestor keys (every key visible), then the
+// tile's own segment up to the tile's end (causal). The ancestors are one range, the group's
+// prompt, in depth-1 tiles (5 ints); in a prefix tree (DFS order) they are a few *pieces*
+// (multi-piece tiles, 6 ints, the PIECES instantiations: a piece table of (start, length,
+// position) rows, the tile's from piece_lo to piece_hi). Each ancestor range is read in blocks
+// aligned to its own start, its last block cut at its end; positions count on along the path, so
+// a window skips a piece's blocks wholly below the tile's first row's reach. The producer walks
+// the pieces and leaves each block's place in its piece in a ring of records for the consumers'
+// masks; depth-1 kernels compute it from the block index, as before.
 // Warpgroups 1 and 2 own 64 query rows each (at D = 512: the same 64 rows, half the columns each;
 // see Tiles and the end of this comment) and keep flash-attention 2's online softmax in registers
 // (log2 units, scale_log2 = softmax scale * log2 e):
@@ -51,7 +58,9 @@ struct Tiles {
   static constexpr int PANELS = D / 64;
 };
 
-template <int D>
+constexpr int RECORDS = 4;  // multi-piece tiles: the producer's ring of block records (see the producer)
+
+template <int D, bool PIECES>
 struct alignas(1024) SharedStorage {
   static constexpr int PANELS = Tiles<D>::PANELS, BLOCK_N = Tiles<D>::BLOCK_N;
   uint8_t q[PANELS][Tiles<D>::BLOCK_M * ROW_BYTES];
@@ -63,7 +72,26 @@ struct alignas(1024) SharedStorage {
   // at D = 512, each warpgroup's partial S of a block (by block parity): float4 j of consumer
   // thread t at j * 128 + t, so that a warp's accesses hit consecutive banks
   float4 xs[Tiles<D>::SPLIT_COLUMNS ? 2 : 1][2][Tiles<D>::SPLIT_COLUMNS ? BLOCK_N / 8 * 128 : 1];
+  // multi-piece tiles: per ancestor block b, at b % RECORDS, (index of its first key in its piece,
+  // the piece's length, the first key's position); one slot unused in depth-1 kernels (the end
+  // padding of the 1024-byte alignment holds it: the same size and layout as without it)
+  int4 records[PIECES ? RECORDS : 1];
 };
+
+// With a window, the lowest position that a tile's first row sees: that row is row i0 of its
+// segment, which starts at position seg_pos
+__device__ __forceinline__ int window_start(int seg_pos, int i0, int window) { return seg_pos + i0 - window + 1; }
+
+// The key blocks of an ancestor range of `length` keys at positions from `position` on that a
+// tile reads: (first, count), counted from the range's start. With a window only the keys from
+// position first_pos on (its first row's position - window + 1) can be visible.
+template <int BLOCK_N, bool WINDOW>
+__device__ __forceinline__ int2 visible_blocks(int length, int position, int first_pos) {
+  const int all = (length + BLOCK_N - 1) / BLOCK_N;
+  int first = 0;
+  if constexpr (WINDOW) first = first_pos - position >= length ? all : max(first_pos - position, 0) / BLOCK_N;
+  return make_int2(first, all - first);
+}
 
 // Add the other consumer warpgroup's partial S of a block (its half of the head dim) to acc, through
 // xs (the buffers of the block's parity). (A function, not a lambda: called twice, a lambda is not
@@ -90,11 +118,12 @@ struct KernelParams {
   int T, num_heads, group;
   float scale_log2;
   int window;
+  const int32_t* pieces;  // multi-piece tiles' (n_pieces, 3) table; last, so that the others keep their offsets
 };
 
 // Accumulator element e (0..3) of 8-column group i held by a thread: row 16 * warp + lane / 4
 // (+ 8 for e >= 2), column 8 i + 2 (lane % 4) (+ 1 for odd e).
-template <typename T, int D, bool WINDOW>
+template <typename T, int D, bool WINDOW, bool PIECES>
 __global__ void __launch_bounds__(THREADS, 1)
     fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                const __grid_constant__ CUtensorMap tm_v, const KernelParams p) {
@@ -102,27 +131,40 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr int PANELS = Tile::PANELS, BLOCK_M = Tile::BLOCK_M, BLOCK_N = Tile::BLOCK_N, O_COLS = Tile::O_COLS;
   constexpr bool SPLIT_COLUMNS = Tile::SPLIT_COLUMNS;
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage<D>& s = aligned_shared<SharedStorage<D>>(smem_raw);
+  SharedStorage<D, PIECES>& s = aligned_shared<SharedStorage<D, PIECES>>(smem_raw);
 
   // heads vary slowest, so that the CTAs running at once stream the same keys and values (from L2);
   // inside a head the heaviest tiles (tables are sorted heaviest first) start first
   const int n_tiles = gridDim.x / p.num_heads;
   const int h = blockIdx.x / n_tiles;
-  const int32_t* tile = p.tiles + (blockIdx.x % n_tiles) * 5;
+  // a depth-1 tile: (q_start, q_end, seg_start, prefix_start, prefix_len), the prompt's keys
+  // [prefix_start, + prefix_len); a multi-piece tile holds (seg_pos, piece_lo) in place of the
+  // prompt, then piece_hi: its pieces are p.pieces rows piece_lo .. piece_hi - 1
+  const int32_t* tile = p.tiles + (blockIdx.x % n_tiles) * (PIECES ? 6 : 5);
   const int q_start = tile[0], q_end = tile[1], seg_start = tile[2], prefix_start = tile[3], prefix_len = tile[4];
-  // Positions: the prompt's keys sit at 0 .. prefix_len - 1, the segment's rows and keys run on
-  // from prefix_len (a prompt is its own segment, prefix_len 0). A window leaves visible only the
-  // keys from the tile's first row's position - window + 1 on: the first visible prompt and
-  // segment blocks are prefix_first and seg_first, and block b counts from them.
-  int prefix_first = 0, seg_first = 0;
-  const int prefix_all = (prefix_len + BLOCK_N - 1) / BLOCK_N;
-  if constexpr (WINDOW) {
-    const int first_pos = prefix_len + (q_start - seg_start) - p.window + 1;
-    prefix_first = first_pos >= prefix_len ? prefix_all : max(first_pos, 0) / BLOCK_N;
-    seg_first = max(first_pos - prefix_len, 0) / BLOCK_N;
+  // Positions: the ancestors' keys sit at 0 .. seg_pos - 1 (the prompt's at 0 .. prefix_len - 1),
+  // the segment's rows and keys run on from seg_pos (a root is its own segment, seg_pos 0). A
+  // window leaves visible only the keys from the tile's first row's position - window + 1 on
+  // (first_pos): the first visible prompt (per piece: visible_blocks) and segment blocks are
+  // prefix_first and seg_first. Block b counts from them: ancestor_blocks blocks of the prompt or
+  // the pieces, then the segment's.
+  const int seg_pos = PIECES ? prefix_start : prefix_len;
+  int prefix_first = 0, seg_first = 0, ancestor_blocks = 0;
+  if constexpr (PIECES) {
+    const int first_pos = window_start(seg_pos, q_start - seg_start, p.window);
+    for (int i = prefix_len; i < tile[5]; ++i)
+      ancestor_blocks += visible_blocks<BLOCK_N, WINDOW>(p.pieces[3 * i + 1], p.pieces[3 * i + 2], first_pos).y;
+    if constexpr (WINDOW) seg_first = max(first_pos - seg_pos, 0) / BLOCK_N;
+  } else {  // visible_blocks of the prompt, written out: through it ptxas schedules the depth-1 kernels otherwise
+    const int prefix_all = (prefix_len + BLOCK_N - 1) / BLOCK_N;
+    if constexpr (WINDOW) {
+      const int first_pos = prefix_len + (q_start - seg_start) - p.window + 1;
+      prefix_first = first_pos >= prefix_len ? prefix_all : max(first_pos, 0) / BLOCK_N;
+      seg_first = max(first_pos - prefix_len, 0) / BLOCK_N;
+    }
+    ancestor_blocks = prefix_all - prefix_first;
   }
-  const int prefix_blocks = prefix_all - prefix_first;
-  const int blocks = prefix_blocks + (q_end - seg_start + BLOCK_N - 1) / BLOCK_N - seg_first;
+  const int blocks = ancestor_blocks + (q_end - seg_start + BLOCK_N - 1) / BLOCK_N - seg_first;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   if (threadIdx.x == 0) {
@@ -143,16 +185,35 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int hk = h / p.group;
     mbar_arrive_expect_tx(&s.q_full, BLOCK_M * D * sizeof(T));
     for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.q[pnl], &tm_q, &s.q_full, 64 * pnl, h, q_start);
-    for (int b = 0; b < blocks; ++b) {
+    // K and V of block b, whose first key is packed row key0
+    const auto stream = [&](int b, int key0) {
       const int st = b % STAGES, phase = ((b / STAGES) & 1) ^ 1;
-      const int key0 = b < prefix_blocks ? prefix_start + (prefix_first + b) * BLOCK_N
-                                         : seg_start + (seg_first + b - prefix_blocks) * BLOCK_N;
       mbar_wait(&s.k_empty[st], phase);
       mbar_arrive_expect_tx(&s.k_full[st], BLOCK_N * D * sizeof(T));
       for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.k[st][pnl], &tm_k, &s.k_full[st], 64 * pnl, hk, key0);
       mbar_wait(&s.v_empty[st], phase);
       mbar_arrive_expect_tx(&s.v_full[st], BLOCK_N * D * sizeof(T));
       for (int pnl = 0; pnl < PANELS; ++pnl) tma_load(s.v[st][pnl], &tm_v, &s.v_full[st], 64 * pnl, hk, key0);
+    };
+    if constexpr (PIECES) {
+      // The record of block b goes to slot b % RECORDS before its K is announced (k_full). That
+      // slot's last block, b - 4, has been through its softmax: the consumers did that before
+      // releasing K of block b - 3, which the producer waited for to stream block b - 1.
+      const int first_pos = window_start(seg_pos, q_start - seg_start, p.window);
+      int b = 0;
+      for (int i = prefix_len; i < tile[5]; ++i) {
+        const int start = p.pieces[3 * i], length = p.pieces[3 * i + 1], position = p.pieces[3 * i + 2];
+        const int2 visible = visible_blocks<BLOCK_N, WINDOW>(length, position, first_pos);
+        for (int j = visible.x; j < visible.x + visible.y; ++j, ++b) {
+          s.records[b % RECORDS] = make_int4(j * BLOCK_N, length, position + j * BLOCK_N, 0);
+          stream(b, start + j * BLOCK_N);
+        }
+      }
+      for (int j = seg_first; b < blocks; ++j, ++b) stream(b, seg_start + j * BLOCK_N);
+    } else {
+      for (int b = 0; b < blocks; ++b)
+        stream(b, b < ancestor_blocks ? prefix_start + (prefix_first + b) * BLOCK_N
+                                      : seg_start + (seg_first + b - ancestor_blocks) * BLOCK_N);
     }
     return;
   }
@@ -179,20 +240,32 @@ __global__ void __launch_bounds__(THREADS, 1)
   float alpha[2];
   bool rescale = true;
   const auto softmax_p = [&](int b) {
-    // the prompt: keys past its end are invisible; the segment: keys after the query are; with a
-    // window, keys whose position is window or more below the query's
-    const bool in_prefix = b < prefix_blocks;
-    const int key_index0 = (in_prefix ? prefix_first + b : seg_first + b - prefix_blocks) * BLOCK_N;
-    const int key_pos0 = in_prefix ? key_index0 : prefix_len + key_index0;  // (window only)
-    if ((in_prefix ? key_index0 + BLOCK_N > prefix_len : key_index0 + BLOCK_N - 1 > wg_first) ||
-        (WINDOW && prefix_len + wg_first + 63 - key_pos0 >= p.window)) {
+    // an ancestor range: keys past its end are invisible; the segment: keys after the query are;
+    // with a window, keys whose position is window or more below the query's. The block's first
+    // key: its index in its range, and its position (window only); the range's length.
+    const bool in_prefix = b < ancestor_blocks;
+    int key_index0, key_pos0, range_len = seg_pos;  // depth 1: the prompt, seg_pos keys long
+    if constexpr (PIECES) {
+      if (in_prefix) {
+        const int4 record = s.records[b % RECORDS];
+        key_index0 = record.x, range_len = record.y, key_pos0 = record.z;
+      } else {
+        key_index0 = (seg_first + b - ancestor_blocks) * BLOCK_N;
+        key_pos0 = seg_pos + key_index0;
+      }
+    } else {
+      key_index0 = (in_prefix ? prefix_first + b : seg_first + b - ancestor_blocks) * BLOCK_N;
+      key_pos0 = in_prefix ? key_index0 : seg_pos + key_index0;
+    }
+    if ((in_prefix ? key_index0 + BLOCK_N > range_len : key_index0 + BLOCK_N - 1 > wg_first) ||
+        (WINDOW && seg_pos + wg_first + 63 - key_pos0 >= p.window)) {
 #pragma unroll
       for (int i = 0; i < BLOCK_N / 8; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key_index0 + 8 * i + 2 * c + (e & 1), row = row_index + 8 * (e >> 1);
-          const bool beyond = WINDOW && prefix_len + row - (key_pos0 + 8 * i + 2 * c + (e & 1)) >= p.window;
-          if ((in_prefix ? key >= prefix_len : key > row) || beyond) sc[4 * i + e] = -INFINITY;
+          const bool beyond = WINDOW && seg_pos + row - (key_pos0 + 8 * i + 2 * c + (e & 1)) >= p.window;
+          if ((in_prefix ? key >= range_len : key > row) || beyond) sc[4 * i + e] = -INFINITY;
         }
       }
     }
@@ -362,12 +435,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <typename T, int D, bool WINDOW>
+template <typename T, int D, bool WINDOW, bool PIECES>
 void launch(const FwdArgs& a, cudaStream_t stream) {
   using Tile = Tiles<D>;
   static_assert(!WINDOW || !Tile::SPLIT_COLUMNS, "windows: head dims 128 and 256");
-  const auto kernel = fwd_kernel<T, D, WINDOW>;
-  constexpr int SMEM_BYTES = shared_bytes<SharedStorage<D>>();
+  const auto kernel = fwd_kernel<T, D, WINDOW, PIECES>;
+  constexpr int SMEM_BYTES = shared_bytes<SharedStorage<D, PIECES>>();
   static_assert(SMEM_BYTES <= 227 * 1024, "over the shared memory of an sm_90 CTA");
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   const auto dtype = a.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -376,8 +449,19 @@ void launch(const FwdArgs& a, cudaStream_t stream) {
   const CUtensorMap tm_k = head_tile_map(a.qkv.k, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.k_stride_t, a.qkv.k_stride_h, Tile::BLOCK_N);
   const CUtensorMap tm_v = head_tile_map(a.qkv.v, dtype, 2, a.T, a.num_kv_heads, D, a.qkv.v_stride_t, a.qkv.v_stride_h, Tile::BLOCK_N);
   const KernelParams p{a.tiles, a.out, a.out_stride_t, a.out_stride_h, a.lse, a.T, a.num_heads,
-                       a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E), a.window};
+                       a.num_heads / a.num_kv_heads, float(a.sm_scale * LOG2E), a.window, a.pieces};
   kernel<<<a.n_tiles * a.num_heads, THREADS, SMEM_BYTES, stream>>>(tm_q, tm_k, tm_v, p);
+}
+
+template <typename T, bool PIECES>
+void launch_for_head_dim(const FwdArgs& a, cudaStream_t s) {
+  const bool window = a.window > 0;
+  if (a.head_dim == 128)
+    window ? launch<T, 128, true, PIECES>(a, s) : launch<T, 128, false, PIECES>(a, s);
+  else if (a.head_dim == 256)
+    window ? launch<T, 256, true, PIECES>(a, s) : launch<T, 256, false, PIECES>(a, s);
+  else
+    launch<T, 512, false, PIECES>(a, s);
 }
 
 }  // namespace
@@ -387,13 +471,7 @@ void fwd(const FwdArgs& args, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   launch_for_dtype(args.fp16, [&](auto t) {
     using T = decltype(t);
-    const bool window = args.window > 0;
-    if (args.head_dim == 128)
-      window ? launch<T, 128, true>(args, s) : launch<T, 128, false>(args, s);
-    else if (args.head_dim == 256)
-      window ? launch<T, 256, true>(args, s) : launch<T, 256, false>(args, s);
-    else
-      launch<T, 512, false>(args, s);
+    args.pieces ? launch_for_head_dim<T, true>(args, s) : launch_for_head_dim<T, false>(args, s);
   });
 }
 

@@ -19,9 +19,9 @@ void check_dtype(const at::Tensor& q, std::initializer_list<const at::Tensor*> s
   for (const auto* t : same) TORCH_CHECK(t->scalar_type() == dtype, names, " must share one dtype");
 }
 
-void check_table(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 2 && t.size(1) == 5 && t.is_contiguous(), name,
-              " must be a contiguous CUDA (n, 5) int32 tensor");
+void check_table(const at::Tensor& t, const char* name, int64_t width = 5) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kInt && t.dim() == 2 && t.size(1) == width && t.is_contiguous(),
+              name, " must be a contiguous CUDA (n, ", width, ") int32 tensor");
 }
 
 dualkv_sm90::QKV qkv_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -100,14 +100,20 @@ void dkdv_dq(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   (D == 128 ? dualkv_sm90::dkdv_dq : dualkv_sm90::dkdv_dq_cols)(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
-void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
-         const at::Tensor& lse, double sm_scale, int64_t window) {
+// pieces: nullptr for single-range tiles (n, 5), else the (m, 3) piece table that multi-range tiles (n, 6) index
+void run_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles,
+             const at::Tensor* pieces, const at::Tensor& out, const at::Tensor& lse, double sm_scale, int64_t window) {
   const int64_t D = checked_head_dim(q, k, v, "forward");
   check_window(window, D);
   check_heads(out, "out", D);
   check_fp32(lse, "lse");
   check_dtype(q, {&k, &v, &out}, "q, k, v, out");
-  check_table(tiles, "tiles");
+  check_table(tiles, "tiles", pieces ? 6 : 5);
+  if (pieces) {
+    check_table(*pieces, "pieces", 3);
+    // (an empty table has no data pointer, which the kernels take for single-range tiles)
+    TORCH_CHECK(pieces->size(0) > 0, "pieces must hold the rows that the multi-range tiles index, got none");
+  }
   const int T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
   TORCH_CHECK(out.sizes() == q.sizes() && lse.numel() == int64_t(Hq) * T, "shapes: out (T, Hq, D), lse (Hq, T)");
 
@@ -117,6 +123,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   a.head_dim = D;
   a.tiles = tiles.data_ptr<int32_t>();
   a.n_tiles = tiles.size(0);
+  a.pieces = pieces ? pieces->data_ptr<int32_t>() : nullptr;
   a.out = out.data_ptr();
   a.out_stride_t = out.stride(0), a.out_stride_h = out.stride(1);
   a.lse = lse.data_ptr<float>();
@@ -127,9 +134,20 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   dualkv_sm90::fwd(a, c10::cuda::getCurrentCUDAStream().stream());
 }
 
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles, const at::Tensor& out,
+         const at::Tensor& lse, double sm_scale, int64_t window) {
+  run_fwd(q, k, v, tiles, nullptr, out, lse, sm_scale, window);
+}
+
+void fwd_pieces(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tiles,
+                const at::Tensor& pieces, const at::Tensor& out, const at::Tensor& lse, double sm_scale, int64_t window) {
+  run_fwd(q, k, v, tiles, &pieces, out, lse, sm_scale, window);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "DualKV forward, head dim 128, 256 or 512 (a window: 128, 256), sm_90a");
+  m.def("fwd_pieces", &fwd_pieces, "DualKV forward on multi-range tiles (prefix trees) and their piece table");
   m.def("dkdv_dq", &dkdv_dq, "DualKV dK/dV pass with fused dQ, head dim 128, 256 or 512 (a window: 128, 256), sm_90a");
 }

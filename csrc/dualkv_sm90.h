@@ -11,14 +11,17 @@ struct QKV {
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
 };
 
-// Forward, head dim 128, 256 or 512. One program per (tiles row, query head): tiles (n_tiles, 5)
-// int32 rows (q_start, q_end, seg_start, prefix_start, prefix_len) as built by
-// megatron_dualkv.ops.dualkv_attn.query_tiles with 128-row tiles (64-row at D = 512).
+// Forward, head dim 128, 256 or 512. One program per (tiles row, query head): tiles as built by
+// megatron_dualkv.ops.dualkv_attn.query_tiles with 128-row tiles (64-row at D = 512): (n_tiles, 5)
+// int32 rows (q_start, q_end, seg_start, prefix_start, prefix_len) of a single-range layout (depth
+// 1), or with `pieces` (n_tiles, 6) rows (q_start, q_end, seg_start, seg_pos, piece_lo, piece_hi)
+// of a multi-range one (prefix trees), over its piece_table.
 struct FwdArgs {
   QKV qkv;
   int head_dim;
   const int32_t* tiles;
   int n_tiles;
+  const int32_t* pieces;  // (n_pieces, 3) int32 rows (start, length, position); nullptr: 5-int tiles
   void* out;  // (T, Hq, D)
   int64_t out_stride_t, out_stride_h;
   float* lse;  // (Hq, T), log2 units

@@ -27,32 +27,37 @@ def layout_lengths(draw, max_groups=4, max_prompt=12, max_responses=4, max_respo
 @st.composite
 def trajectory_sets(draw, max_groups=3, max_depth=5, max_branching=4, max_segment=6, max_segments=14, vocab=5,
                     grouped=None):
-    """A list of Trajectory drawn from random prefix trees: per group one or two roots, every
-    segment up to ``max_branching`` children to ``max_depth`` levels below its root (at most
-    ``max_segments`` segments per group), segments of 1..max_segment tokens from a small
-    vocabulary (so that siblings often start alike and the trie merges them), trajectories that end
-    at leaves and some that end inside the tree (at an inner node or inside a segment), duplicates,
-    and a shuffled order. ``grouped``: trajectories carry group ids (drawn when None); with rewards
-    and loss masks on some draws."""
+    """A list of Trajectory drawn from random prefix trees: per group a forest in DFS order of
+    ``max_segments`` segments (fewer on some draws; one or two roots, up to ``max_branching``
+    children per segment, ``max_depth`` levels below a root), segments of 1..max_segment tokens
+    from a small vocabulary (so that siblings often start alike and the trie merges them), a
+    trajectory per leaf and some that end inside the tree (inside a segment or at its end),
+    duplicates, and a shuffled order. ``grouped``: trajectories carry group ids (drawn when None);
+    with rewards and loss masks on some draws. The shapes come from a drawn ``Random``: uniform
+    choices, where hypothesis' own draws would favour the smallest trees."""
     grouped = draw(st.booleans()) if grouped is None else grouped
     with_rewards, with_masks = draw(st.booleans()), draw(st.booleans())
     ids = lambda n: draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))  # noqa: E731
+    shape = draw(st.randoms(use_true_random=False))
     paths = []  # (group, tokens)
-
-    def grow(group, budget, prefix, depth):
-        budget[0] -= 1
-        path = prefix + ids(draw(st.integers(1, max_segment)))
-        kids = min(draw(st.integers(0, max_branching)) if depth < max_depth else 0, budget[0])
-        if kids == 0 or draw(st.integers(0, 3)) == 0:  # a leaf, or a trajectory ending inside the tree
-            paths.append((group, path[:draw(st.integers(len(prefix) + 1, len(path)))] if kids else path))
-        for _ in range(kids):
-            if budget[0] > 0:
-                grow(group, budget, path, depth + 1)
-
     for g in range(draw(st.integers(1, max_groups)) if grouped else 1):
-        budget = [max_segments]
-        for _ in range(draw(st.integers(1, 2))):
-            grow(g, budget, [], 0)
+        # per segment its path's tokens and its child count; the path to the last segment
+        tokens, children, path, roots = [], [], [], 0
+        for s in range(shape.randint(1, max_segments) if shape.random() < 0.3 else max_segments):
+            parents = [p for p in path[:max_depth] if children[p] < max_branching]
+            parent = shape.choice(parents) if parents and (roots == 2 or shape.random() < 0.85) else -1
+            roots += parent < 0
+            del path[path.index(parent) + 1 if parent >= 0 else 0:]
+            path.append(s)
+            tokens.append((tokens[parent] if parent >= 0 else []) + ids(draw(st.integers(1, max_segment))))
+            children.append(0)
+            if parent >= 0:
+                children[parent] += 1
+        for s, path_tokens in enumerate(tokens):
+            if not children[s]:
+                paths.append((g, path_tokens))
+            elif draw(st.integers(0, 3)) == 0:  # a trajectory ending inside the tree
+                paths.append((g, path_tokens[:draw(st.integers(1, len(path_tokens)))]))
     paths += [paths[i] for i in draw(st.lists(st.integers(0, len(paths) - 1), max_size=2))]  # identical ones
     paths = draw(st.permutations(paths))
     return [

@@ -2,7 +2,7 @@
 response groups, and for prefix trees against the replicated layout (each trajectory one causal sequence)."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv import DualKVLayout, Trajectory, TreeLayout, dualkv_attn_func, pack_groups, pack_trajectories
@@ -276,7 +276,7 @@ def agent_episodes():
 
 
 @given(
-    trajectory_sets(max_groups=2, max_segment=18, max_segments=6),
+    trajectory_sets(max_groups=2, max_segment=8, max_segments=8),
     st.sampled_from([(2, 1), (2, 2)]),
     st.sampled_from([16, 24]),
     st.one_of(st.none(), st.integers(1, 40)),
@@ -287,6 +287,7 @@ def agent_episodes():
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_tree_kernels_match_the_replicated_layout(trajectories, heads, d, window, softcap, multiple, deterministic):
     batch = pack_trajectories(trajectories, pad_to_multiple_of=multiple)
+    assume(multi_range(batch.layout))  # single-range trees run the depth-1 code, fuzzed above
     got, want = run_tree(batch, *heads, d, window, softcap, scale=0.9 / d**0.5, deterministic=deterministic)
     assert_matches(got, want)
 
@@ -299,7 +300,7 @@ def test_agent_episodes_and_tree_search(window, softcap, deterministic):
     assert max(map(len, ancestor_pieces(batch.layout))) == 3
     _, reduce, _ = key_items(batch.layout, 16, 16, 1, 4, window)
     assert reduce.shape[0] > 0
-    got, want = run_tree(batch, 2, 1, 16, window, softcap, deterministic=deterministic)
+    got, want = run_tree(batch, 1, 1, 16, window, softcap, deterministic=deterministic)  # GQA: fuzzed above
     assert_matches(got, want)
 
 
@@ -350,6 +351,17 @@ def test_tree_tables_cover_the_mask(data, window, blocks):
     assert_key_items_cover_the_mask(layout, window, *blocks, 8)
     if multi_range(layout):
         assert_query_tiles_cover_the_mask(layout, window, blocks[1])
+
+
+@pytest.mark.parametrize("blocks", [(16, 16), (4, 8)])
+def test_tree_tables_cover_the_mask_at_every_window(blocks):
+    """Windows that end exactly at a piece's last key or a segment's first, on fixed trees."""
+    small = TreeLayout((4, 3, 2, 5, 1, 3), (-1, 0, 1, 0, 3, 3), pad_len=2)
+    episodes = pack_trajectories(agent_episodes()).layout
+    for layout, windows in ((small, range(1, small.max_logical_len + 2)), (episodes, (1, 17, 22, 39))):
+        for window in windows:
+            assert_key_items_cover_the_mask(layout, window, *blocks, 8)
+            assert_query_tiles_cover_the_mask(layout, window, blocks[1])
 
 
 def test_ancestor_pieces_merge_first_children():

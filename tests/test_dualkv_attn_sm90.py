@@ -1,13 +1,17 @@
 """Native sm_90 kernels (csrc/dualkv_*_sm90.cu): on a Hopper GPU, the default backend's
-outputs and gradients within 2x the error of the same-precision PyTorch reference, on fuzzed and edge layouts;
-elsewhere, that it is never chosen."""
+outputs and gradients within 2x the error of the same-precision PyTorch reference, on fuzzed and edge layouts
+and prefix trees, and the forward instantiation each kind of table launches; elsewhere, that they are never
+chosen, and (a stand-in for the built extension) the tables the native forward is handed."""
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_dualkv import DualKVLayout, TreeLayout, pack_groups, pack_trajectories
+from megatron_dualkv import DualKVLayout, TreeLayout, dualkv_attn_func, pack_groups, pack_trajectories
 from megatron_dualkv.ops import dualkv_attn as kernels
+from megatron_dualkv.ops import dualkv_attn_sm90 as sm90
 from megatron_dualkv.ops.dualkv_attn import kernel_config, kernel_tables
 from megatron_dualkv.ops.dualkv_attn_sm90 import dq_in_head_dim_order, native_supported
 from flash_check import check_flash_style
@@ -78,42 +82,173 @@ TREE = TreeLayout((300, 100, 50, 80, 40), (-1, 0, 1, 0, 3), pad_len=6)
 CHAIN = TreeLayout((300, 100, 50, 20), (-1, 0, 1, 1))  # every path one packed range
 
 
+def levels_tree(prompt, levels, pad_len=0):
+    """A prompt, then per level ``(branching, segment length)`` (the shape of tools/bench_attention.py's
+    tree workloads): every segment's children follow it in DFS order, so a path is one piece per
+    branch taken after a first child's."""
+    lens, parents = [prompt], [-1]
+
+    def grow(parent, depth):
+        if depth == len(levels):
+            return
+        branching, length = levels[depth]
+        for _ in range(branching):
+            lens.append(length)
+            parents.append(parent)
+            grow(len(lens) - 1, depth + 1)
+
+    grow(0, 0)
+    return TreeLayout(tuple(lens), tuple(parents), pad_len=pad_len)
+
+
+# (a) agent episodes: a prompt, 4 first turns, each continued twice; (b) a tree search branching at
+# every level; block-sized and odd segments (partial last blocks of every piece at every head dim)
+AGENT = levels_tree(1000, ((4, 256), (2, 500)), pad_len=5)
+SEARCH = levels_tree(500, ((4, 130), (3, 129), (2, 65)))
+# a second child at every level: paths of up to 6 pieces, segments of one token, a piece shorter
+# than a key block, one ending a block early and one a key past it
+DEEP = TreeLayout((200, 1, 130, 1, 64, 129, 5, 300, 1, 77, 33, 127, 1),
+                  (-1, 0, 0, 2, 2, 4, 4, 6, 7, 7, 9, 9, 11), pad_len=3)
+
+
+class NativeBuild:
+    """The built extension, on the CPU: records each forward call after the checks the binding
+    (csrc/dualkv_sm90.cpp) makes of its tables and outputs. ``pieces=False``: a build of sources
+    from before multi-range tiles (an A/B against an older revision)."""
+
+    def __init__(self, pieces: bool = True):
+        self.calls = []
+        if pieces:
+            self.fwd_pieces = self._fwd_pieces
+
+    def fwd(self, q, k, v, tiles, out, lse, sm_scale, window):
+        self._check(q, out, lse, tiles, 5)
+        self.calls.append(("fwd", tiles, None, sm_scale, window))
+
+    def _fwd_pieces(self, q, k, v, tiles, pieces, out, lse, sm_scale, window):
+        self._check(q, out, lse, tiles, 6)
+        assert pieces.dtype == torch.int32 and pieces.dim() == 2 and pieces.shape[1] == 3 and pieces.is_contiguous()
+        rows = tiles[:, 4:6]  # (piece_lo, piece_hi): ranges of the piece table
+        assert (rows[:, 0] <= rows[:, 1]).all() and rows.min() >= 0 and rows.max() <= pieces.shape[0]
+        self.calls.append(("fwd_pieces", tiles, pieces, sm_scale, window))
+
+    @staticmethod
+    def _check(q, out, lse, tiles, width):
+        assert tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == width and tiles.is_contiguous()
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
+
+
 @pytest.mark.parametrize("d", [128, 256, 512])
-def test_trees_with_several_ancestor_pieces_run_the_triton_forward(d):
-    """The native forward reads one prefix per tile: a tree whose paths are several pieces gets the
-    Triton forward's multi-range tiles (its blocks), and the native backward the same items as a
-    depth-1 layout would; a tree whose paths are single ranges keeps the native forward."""
-    assert kernels._native_forward(d, True) and not kernels._native_forward(d, True, multi_range_tiles=True)
+def test_trees_of_several_ancestor_pieces_take_the_native_forward_where_it_is_built(d, monkeypatch):
+    """A tree whose paths are several pieces gets multi-range tiles of the native forward's rows and
+    the piece table, and the native backward the same items as a depth-1 layout would; a tree whose
+    paths are single ranges keeps the single-range tiles; a build without ``fwd_pieces`` gets the
+    Triton forward's tiles (its blocks)."""
+    monkeypatch.setattr(sm90, "_extension", NativeBuild)
     assert kernels._native_backward(d, True)
-    tables = kernel_tables(TREE, d, 2, native=True)
-    assert tables.pieces is not None and tables.fwd_tiles.shape[1] == 6
-    triton_rows = kernel_config("fwd", d, TREE.device).block_m
-    assert (tables.fwd_tiles[:, 1] - tables.fwd_tiles[:, 0]).max().item() == triton_rows
-    assert (tables.kv_items[:, 1] - tables.kv_items[:, 0]).max().item() == kernels.NATIVE_BLOCK_N[d]
+    for layout in (TREE, DEEP):
+        tables = kernel_tables(layout, d, 2, native=True, window_size=None if d == 512 else 100)
+        assert tables.pieces is not None and tables.pieces.dtype == torch.int32 and tables.pieces.shape[1] == 3
+        assert tables.fwd_tiles.dtype == torch.int32 and tables.fwd_tiles.shape[1] == 6
+        assert (tables.fwd_tiles[:, 1] - tables.fwd_tiles[:, 0]).max().item() == kernels.NATIVE_FWD_BLOCK_M[d]
+        assert (tables.kv_items[:, 1] - tables.kv_items[:, 0]).max().item() == kernels.NATIVE_BLOCK_N[d]
     chain = kernel_tables(CHAIN, d, 2, native=True)
     assert chain.pieces is None and chain.fwd_tiles.shape[1] == 5
     assert (chain.fwd_tiles[:, 1] - chain.fwd_tiles[:, 0]).max().item() == kernels.NATIVE_FWD_BLOCK_M[d]
+    monkeypatch.setattr(sm90, "_extension", lambda: NativeBuild(pieces=False))
+    assert not kernels._native_forward(d, True, multi_range_tiles=True) and kernels._native_forward(d, True)
+    tables = kernel_tables(TREE, d, 2, native=True)
+    triton_rows = kernel_config("fwd", d, TREE.device).block_m
+    assert tables.fwd_tiles.shape[1] == 6
+    assert (tables.fwd_tiles[:, 1] - tables.fwd_tiles[:, 0]).max().item() == triton_rows
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_the_forward_hands_the_native_kernel_its_tables(window, monkeypatch):
+    """Multi-range tiles go to ``fwd_pieces`` with their piece table, single-range ones (depth 1, and
+    trees of single-range paths) to ``fwd``, the kernel they always took."""
+    build = NativeBuild()
+    monkeypatch.setattr(sm90, "_extension", lambda: build)
+    for layout, kernel in ((TREE, "fwd_pieces"), (DEEP, "fwd_pieces"), (CHAIN, "fwd"),
+                           (DualKVLayout((300,), ((100, 50),)), "fwd")):
+        q, k, v = (torch.zeros(layout.total_tokens, h, 128, dtype=torch.bfloat16) for h in (8, 2, 2))
+        tables = kernel_tables(layout, 128, 2, native=True, window_size=window)
+        kernels._fwd(q, k, v, tables.fwd_tiles, tables.pieces, 0.125, window, None, native=True)
+        name, tiles, pieces, scale, passed_window = build.calls[-1]
+        assert name == kernel and tiles is tables.fwd_tiles and pieces is tables.pieces
+        assert scale == 0.125 and passed_window == (window or 0)
 
 
 @hopper
 @pytest.mark.parametrize("d", [128, 256, 512])
-@pytest.mark.parametrize("layout", [TREE, CHAIN], ids=["pieces", "chain"])
+@pytest.mark.parametrize("layout", [TREE, CHAIN, DEEP], ids=["pieces", "chain", "deep"])
 @pytest.mark.parametrize("window", [None, 100])
 def test_trees(d, layout, window):
-    """The default backend on trees: the Triton forward and the native backward where paths are
-    several pieces, both native kernels where they are single ranges."""
+    """The default backend on trees: both native kernels, the forward on multi-range tiles where
+    paths are several pieces."""
     if window is not None and d == 512:
         pytest.skip("the native kernels have no window at head dim 512")
     check_flash_style(layout.to("cuda"), 8, 2, d, torch.bfloat16, backend="auto", window_size=window)
 
 
 @hopper
-@given(trajectory_sets(max_groups=3, max_segment=400, max_segments=10, vocab=1000), st.sampled_from([128, 256]),
-       st.one_of(st.none(), st.integers(1, 600)))
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-def test_fuzzed_trees(trajectories, d, window):
+@pytest.mark.parametrize("d", [128, 256, 512])
+@pytest.mark.parametrize("dtype, heads", [(torch.bfloat16, (8, 2)), (torch.float16, (6, 1)), (torch.bfloat16, (4, 4))])
+def test_agent_episodes_and_tree_search(d, dtype, heads):
+    for layout in (AGENT, SEARCH):
+        check_flash_style(layout.to("cuda"), *heads, d, dtype, backend="auto")
+
+
+@hopper
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("window", [1, 64, 200, 1000])
+def test_tree_windows(d, window):
+    """Windows shorter than a block, a block, between blocks, and longer than a path's pieces:
+    pieces the host drops, pieces the kernel enters at a later block, segments that see only the
+    end of their last piece."""
+    for layout in (DEEP, AGENT):
+        check_flash_style(layout.to("cuda"), 8, 2, d, torch.bfloat16, backend="auto", window_size=window)
+
+
+@hopper
+@given(trajectory_sets(max_groups=3, max_segment=400, max_segments=10, vocab=1000), st.sampled_from([128, 256, 512]),
+       st.sampled_from([(8, 2), (4, 4), (6, 1), (16, 2)]), st.one_of(st.none(), st.integers(1, 600)))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def test_fuzzed_trees(trajectories, d, heads, window):
     layout = pack_trajectories(trajectories, pad_to_multiple_of=8).layout.to("cuda")
-    check_flash_style(layout, 8, 2, d, torch.bfloat16, backend="auto", window_size=window)
+    check_flash_style(layout, *heads, d, torch.bfloat16, backend="auto", window_size=None if d == 512 else window)
+
+
+def forward_instantiations(layout, d, window=None):
+    """The (head dim, window, pieces) template arguments of the native forward kernels that one call
+    launches, from the kernel names ``torch.profiler`` records (demangled or not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(layout.total_tokens, h, d, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dualkv_attn_func(q, k, v, layout, window_size=window)
+        torch.cuda.synchronize()
+    found = set()
+    for name in {e.name for e in prof.events()}:
+        if match := re.search(r"fwd_kernel<[^,]+, (\d+), (true|false), (true|false)>", name):
+            found.add((int(match[1]), match[2] == "true", match[3] == "true"))
+        elif match := re.search(r"fwd_kernelI\w+?Li(\d+)ELb([01])ELb([01])E", name):
+            found.add((int(match[1]), match[2] == "1", match[3] == "1"))
+    return found
+
+
+@hopper
+@pytest.mark.parametrize("d", [128, 256, 512])
+def test_depth1_tables_keep_their_kernel(d):
+    """Single-range tables (depth 1, trees of single-range paths) launch the depth-1 instantiation,
+    whose machine code multi-range tiles left as it was; multi-range ones the PIECES instantiation."""
+    window = None if d == 512 else 100
+    depth1 = DualKVLayout((300,), ((100, 50),)).to("cuda")
+    for layout, pieces in ((depth1, False), (CHAIN.to("cuda"), False), (TREE.to("cuda"), True)):
+        assert forward_instantiations(layout, d) == {(d, False, pieces)}
+        if window:
+            assert forward_instantiations(layout, d, window) == {(d, True, pieces)}
 
 
 @hopper

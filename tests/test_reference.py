@@ -74,7 +74,7 @@ def test_reference_matches_replicated_causal(groups, heads, d, window, softcap, 
     st.one_of(st.none(), st.floats(0.5, 5.0)),
     st.sampled_from([1, 8]),
 )
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 def test_reference_on_trees_matches_replicated_causal(trajectories, heads, window, softcap, multiple):
     """Prefix trees: every trajectory is one causal sequence of the replicated layout."""
     batch = pack_trajectories(trajectories, pad_to_multiple_of=multiple)

@@ -58,7 +58,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..layout import PackedLayout
 from .checks import check_attention_inputs, tma_aligned
 from .dualkv_attn_sm90 import (NATIVE_BLOCK_M, NATIVE_BLOCK_N, NATIVE_FWD_BLOCK_M, dkdv_dq_sm90, dq_in_head_dim_order,
-                               fwd_sm90, native_supported)
+                               fwd_sm90, native_forward_takes_pieces, native_supported)
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2**30  # larger than any position: "window" that never masks
@@ -633,9 +633,10 @@ def kernel_config(pass_name: str, head_dim: int, device: torch.device,
 # ``native``: the call may run the native sm_90 kernels (dualkv_attn_sm90.native_supported); each
 # pass does where it has one at this head dim, and then the native kernel's blocks shape its table
 def _native_forward(head_dim: int, native: bool, multi_range_tiles: bool = False) -> bool:
-    """The native forward reads single-range tiles only (one prefix per tile: csrc/dualkv_fwd_sm90.cu):
-    trees whose tiles see several ancestor pieces run the Triton forward, until it learns pieces."""
-    return native and head_dim in NATIVE_FWD_BLOCK_M and not multi_range_tiles
+    """The native forward reads single-range tiles, and multi-range tiles with their piece table
+    where the build has that kernel (``native_forward_takes_pieces``; an older revision's sources,
+    in an A/B, may not: then trees whose tiles see several ancestor pieces run the Triton forward)."""
+    return native and head_dim in NATIVE_FWD_BLOCK_M and (not multi_range_tiles or native_forward_takes_pieces())
 
 
 def _native_backward(head_dim: int, native: bool) -> bool:
@@ -907,7 +908,7 @@ def _fwd(q, k, v, tiles, pieces, sm_scale: float, window_size: Optional[int], so
     out = torch.empty_like(q)
     lse = torch.empty(Hq, T, device=q.device, dtype=torch.float32)
     if _native_forward(D, native, pieces is not None):
-        fwd_sm90(q, k, v, tiles, out, lse, sm_scale, window_size)
+        fwd_sm90(q, k, v, tiles, out, lse, sm_scale, window_size, pieces)
         return out, lse
     cfg = kernel_config("fwd", D, q.device, q.dtype)
     tma, k_boxes, v_boxes = _streamed(cfg, cfg.block_n, k, v)

@@ -5,7 +5,9 @@ backend runs, where they apply, native kernels on wgmma instructions fed by TMA 
 warpgroup and two consumer warpgroups):
 
 * the forward (head dims 128, 256, 512), one program per (query tile, query head), reading the
-  Triton forward's tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M[head_dim]`` rows);
+  Triton forward's tables (``query_tiles`` with ``NATIVE_FWD_BLOCK_M[head_dim]`` rows): a
+  prompt per tile (single-range tables), or a prefix tree's ancestor pieces (multi-range tables
+  and their ``piece_table``, a separate instantiation of the kernel);
 * the backward (head dims 128, 256, 512; at 512 a cluster of two CTAs per key tile, each owning
   256 head-dim columns) as ONE pass: dK/dV per key tile with dQ accumulated in the same pass
   (5 matmuls per block pair instead of the Triton plan's 7) through TMA bulk reductions, reading
@@ -16,10 +18,10 @@ warpgroup and two consumer warpgroups):
 Covered: those head dims, bf16/fp16, a left window at head dims 128 and 256 (Gemma's sliding
 layers; the forward skips the key blocks before it, the backward reads the windowed tables),
 no softcap, not ``deterministic`` (dQ is added with fp32 reductions in whatever order they land),
-16-byte aligned tensors (TMA). Everything else stays on Triton. Prefix trees: the forward reads
-one prefix per tile, so it runs trees whose every path is one packed range (single-range tables);
-a tree whose tiles see several ancestor pieces runs the Triton forward (``_native_forward`` in
-dualkv_attn.py). The backward's tree items have the depth-1 form (one packed query range after
+16-byte aligned tensors (TMA). Everything else stays on Triton. Prefix trees: the forward runs
+every tree, multi-range tables where the build has ``fwd_pieces`` (``native_forward_takes_pieces``:
+sources of another revision, ``DUALKV_NATIVE_SOURCES``, may not have it; those trees then run the
+Triton forward). The backward's tree items have the depth-1 form (one packed query range after
 the key tile, visible iff query >= key, runs of consecutive positions under a window), so it runs
 every tree.
 """
@@ -104,11 +106,22 @@ def native_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_s
     return _extension() is not None
 
 
-def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float, window_size: Optional[int] = None) -> None:
-    """Native forward, head dim D in NATIVE_FWD_BLOCK_M. q (T, Hq, D); k, v (T, Hkv, D); tiles (n, 5)
-    int32 from ``query_tiles(layout, NATIVE_FWD_BLOCK_M[D])``; a left window in logical positions
-    at D in NATIVE_WINDOW_HEAD_DIMS. Writes out (T, Hq, D) and lse (Hq, T) fp32 in log2 units."""
-    _extension().fwd(q, k, v, tiles, out, lse, sm_scale, window_size or 0)
+def native_forward_takes_pieces() -> bool:
+    """Whether the built extension's forward reads multi-range tiles (``fwd_pieces``)."""
+    return hasattr(_extension(), "fwd_pieces")
+
+
+def fwd_sm90(q, k, v, tiles, out, lse, sm_scale: float, window_size: Optional[int] = None,
+             pieces: Optional[torch.Tensor] = None) -> None:
+    """Native forward, head dim D in NATIVE_FWD_BLOCK_M. q (T, Hq, D); k, v (T, Hkv, D); tiles from
+    ``query_tiles(layout, NATIVE_FWD_BLOCK_M[D], window_size)``: (n, 5) int32 of a single-range
+    layout, or (n, 6) of a multi-range one with its ``piece_table`` (m, 3) int32 as ``pieces``; a
+    left window in logical positions at D in NATIVE_WINDOW_HEAD_DIMS. Writes out (T, Hq, D) and
+    lse (Hq, T) fp32 in log2 units."""
+    if pieces is None:
+        _extension().fwd(q, k, v, tiles, out, lse, sm_scale, window_size or 0)
+    else:
+        _extension().fwd_pieces(q, k, v, tiles, pieces, out, lse, sm_scale, window_size or 0)
 
 
 def dkdv_dq_sm90(q, k, v, do, lse, delta, items, dk, dv, partial_dk, partial_dv, dq_acc, sm_scale: float,
