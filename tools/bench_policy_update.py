@@ -43,7 +43,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -344,34 +344,69 @@ def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel
     return result
 
 
+def agent_settings(memory: MemoryModel, cost: CostModel, budget: float, trajectories: List[Trajectory], layout: str
+                   ) -> List[Tuple[int, Setting]]:
+    """--agent's ``candidate_settings``: for every micro-batch budget (packed tokens: the whole tree,
+    then halving) the least recompute that fits ``budget``, as (budget, setting), fewest executed FLOPs
+    first (ties: the larger micro-batch)."""
+    layers = memory.config.num_layers
+    trained = sum(sum(t.loss_mask) for t in trajectories) / sum(len(t.tokens) for t in trajectories)
+    settings = []
+    max_tokens = plan_micro_batches(trajectories, 1 << 30).packed_tokens
+    while max_tokens >= len(trajectories[0].tokens):
+        mbs = [mb for mb in plan_micro_batches(trajectories, max_tokens).ranks[0] if not mb.is_padding]
+        layouts = [mb.pack().layout if layout == "packed" else
+                   DualKVLayout(tuple(len(t.tokens) for t in mb.trajectories), ((),) * len(mb.trajectories))
+                   for mb in mbs]
+        tokens = max(mb_layout.total_tokens for mb_layout in layouts)
+        try:
+            fit = memory.fit(budget, tokens, predicting_fraction=trained, num_micro_batches=len(mbs), layout=layout)
+        except ValueError:
+            max_tokens //= 2
+            continue
+        recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
+        prediction = memory.peak(tokens, int(trained * tokens), fit.recompute, fit.recompute_layers, len(mbs),
+                                 layout=layout)
+        settings.append((max_tokens, Setting(
+            max(len(mb.trajectories) for mb in mbs), fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
+            useful_flops=sum(4 * cost.layout_flops(x, predicting_rows=int(trained * x.total_tokens)) for x in layouts),
+            recompute_flops=sum(recomputed * cost.layer_flops(x, layers) for x in layouts),
+        )))
+        max_tokens //= 2
+    return sorted(settings, key=lambda s: (s[1].executed_flops, -s[0]))
+
+
 def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
-    """--agent: the packed prefix tree and the replicated trajectories, each at the largest
-    micro-batch budget that runs (selective recompute)."""
+    """--agent: the packed prefix tree and the replicated trajectories, each at the first setting of
+    ``agent_settings`` that runs."""
     prompt, pairs, turns, model, tool = TINY_AGENT if args.tiny else AGENT
+    memory, cost, budget = planning_models(card, args)
     trajectories = agent_episodes(load_card(card).config["vocab_size"], 0, prompt, pairs, turns, model, tool)
-    policy = PolicyCache(card, args).get("selective", 0)
-    whole = plan_micro_batches(trajectories, 1 << 30).packed_tokens
+    policies = PolicyCache(card, args)
     results = []
     for layout, repeats in (("packed", args.repeats), ("replicated", args.replicated_repeats or args.repeats)):
-        result = Result(card, policy.model.module.config.num_layers, 2 * pairs, prompt, turns * (model + tool), layout,
-                        recompute="selective", workload="agent")
-        budget = whole
-        while budget >= len(trajectories[0].tokens):
+        result = Result(card, memory.config.num_layers, 2 * pairs, prompt, turns * (model + tool), layout,
+                        workload="agent")
+        for max_tokens, setting in agent_settings(memory, cost, budget, trajectories, layout):
+            policy = policies.get(setting.recompute, setting.recompute_layers)
             try:
-                steps = run_steps(policy, trajectories, layout, budget, repeats)
+                steps = run_steps(policy, trajectories, layout, max_tokens, repeats)
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not is_out_of_memory(err):
                     raise
                 steps = None
-            if steps is not None:
-                planned = [mb for mb in plan_micro_batches(trajectories, budget).ranks[0] if not mb.is_padding]
-                measured(result, max(len(mb.trajectories) for mb in planned), steps, peak_tflops)
-                result.micro_batch_tokens = max(mb.num_tokens if layout == "packed" else
-                                                sum(len(t.tokens) for t in mb.trajectories) for mb in planned)
-                break
-            print(f"  {card} agent {layout}: a budget of {budget} tokens runs out of memory", flush=True)
-            free_memory()  # outside the except block: the exception's frames, which hold the activations, are gone
-            budget //= 2
+            if steps is None:  # outside the except block: the exception's frames, which hold the activations, are gone
+                print(f"  {card} agent {layout}: {setting} at {max_tokens} tokens runs out of memory", flush=True)
+                free_memory()
+                continue
+            planned = [mb for mb in plan_micro_batches(trajectories, max_tokens).ranks[0] if not mb.is_padding]
+            measured(result, setting.responses, steps, peak_tflops)
+            result.micro_batch_tokens = max(mb.num_tokens if layout == "packed" else
+                                            sum(len(t.tokens) for t in mb.trajectories) for mb in planned)
+            result.recompute, result.recompute_layers = setting.recompute, setting.recompute_layers
+            result.recompute_flops = setting.recompute_flops / setting.useful_flops
+            result.predicted_gib = setting.predicted_gib
+            break
         results.append(result)
     results[0].speedup = results[1].step_s / results[0].step_s
     for result in results:
