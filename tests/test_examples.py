@@ -425,7 +425,8 @@ def test_bench_agent_episodes(bench, tmp_path, monkeypatch):
     assert batch.num_trajectories == 8 and batch.trajectory_lens == (8192,) * 8 and batch.num_tokens == 32768
     assert [sum(t.loss_mask) for t in trajectories] == [4 * 512] * 8 and batch.layout.max_depth == 2
     monkeypatch.setattr(bench, "plot", lambda results, path, baseline: None)  # needs matplotlib
-    bench.main(["--device", "cpu", "--tiny", "--full-depth", "--agent", "--models", "qwen3-tiny", "--repeats", "1",
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the tool refuses the CPU where there is a GPU
+    bench.main(["--device", device, "--tiny", "--full-depth", "--agent", "--models", "qwen3-tiny", "--repeats", "1",
                 "--out", str(tmp_path)])
     packed, replicated = bench.read_results(tmp_path / "policy_update_agent.csv")
     assert (packed.layout, replicated.layout, packed.workload) == ("packed", "replicated", "agent")

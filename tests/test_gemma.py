@@ -179,7 +179,9 @@ def test_packed_equals_replicated(model):
     packed, packed_grads = run(model, batches, "packed")
     replicated, replicated_grads = run(model, batches, "replicated")
     for p, r in zip(packed, replicated):
-        assert max_abs_diff(p.logprobs, r.logprobs) < 2e-6
+        # float32 log-probs near -6, summed in another order on a GPU: a few ulps (~5e-7) of them apart
+        scale = max(x.abs().max().item() for g in r.logprobs for x in g if x.numel())
+        assert max_abs_diff(p.logprobs, r.logprobs) < 1e-6 * (1 + scale)
         torch.testing.assert_close(p.loss, r.loss, rtol=1e-5, atol=1e-6)
     assert packed_grads.keys() == replicated_grads.keys() == {n for n, _ in model.named_parameters()}
     for name, grad in packed_grads.items():

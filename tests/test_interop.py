@@ -10,6 +10,7 @@ from megatron_dualkv import RolloutGroup, pack_groups
 from megatron_dualkv.interop import PaddedPackedBatch, pack_padded, responses_from_padded, unpack_to_padded
 from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs
+from rollouts import device_of
 
 PAD = 0
 LOSS = GRPOLoss(clip_eps=0.2)
@@ -168,9 +169,10 @@ def test_the_verl_style_actor_of_the_docs_learns_the_advantages():
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0), [ddp])
-    prompts, prompt_mask, responses, response_mask, uid = padded()
+    *tensors, uid = padded()
+    prompts, prompt_mask, responses, response_mask = (x.to(device_of(model)) for x in tensors)  # verl's are on the GPU
     data = {"prompts": prompts, "responses": responses, "attention_mask": torch.cat([prompt_mask, response_mask], 1), "uid": uid}
-    advantage = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0])
+    advantage = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], device=prompts.device)
     data["advantages"] = advantage[:, None] * response_mask
     actor = PackedActor(ddp, optimizer, pad_to_multiple_of=8)
     before, entropy = actor.compute_log_prob(data)

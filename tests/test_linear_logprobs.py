@@ -16,7 +16,7 @@ from megatron_dualkv.mcore import DualKVPackedSeqParams
 from megatron_dualkv.models import build_model
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
 from megatron_dualkv.rl import ResponseTokens, response_logprobs, vocab_parallel_logprobs
-from rollouts import make_batch
+from rollouts import device_of, make_batch
 
 
 def unfused(hidden, weight, targets, vocab_size=None, softcap=None):
@@ -231,16 +231,16 @@ def logprobs_from_all_logits(model, batch, layout):
     sequences = [(p, r) for p, rs in zip(batch.layout.prompt_lens, batch.layout.response_lens) for r in rs]
     rep = batch.replicated()
     ids = torch.nn.utils.rnn.pad_sequence(rep.split(rep.tokens), batch_first=True)
-    logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+    logits = model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
     rows = torch.cat([logits[i, p - 1 : p - 1 + r] for i, (p, r) in enumerate(sequences)])
     return vocab_parallel_logprobs(rows, batch.tokens[tokens.token_index], None, True)
 
 
 @pytest.mark.parametrize("layout", ["packed", "replicated"])
 def test_model_log_probs_and_every_gradient_match_all_logits(model, layout):
-    batch = make_batch()
+    batch = make_batch().to(device_of(model))
     tokens = ResponseTokens.from_layout(batch.layout)
-    upstream = torch.randn(2, tokens.num_tokens, generator=torch.Generator().manual_seed(3))
+    upstream = torch.randn(2, tokens.num_tokens, generator=torch.Generator().manual_seed(3)).to(batch.tokens.device)
     results = []
     for fn in (lambda: response_logprobs(model, batch, layout, with_entropy=True),
                lambda: logprobs_from_all_logits(model, batch, layout)):
@@ -261,7 +261,7 @@ def test_model_log_probs_and_every_gradient_match_all_logits(model, layout):
 
 
 def test_a_plain_call_still_returns_logits(model):
-    batch = make_batch()
+    batch = make_batch().to(device_of(model))
     params = DualKVPackedSeqParams.from_layout(batch.layout)
     logits = model(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params)
     hidden = model(batch.tokens[None], batch.position_ids[None], None, packed_seq_params=params, skip_output_layer=True)

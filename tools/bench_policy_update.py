@@ -324,9 +324,9 @@ def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel
                      budget: float, repeats: int, peak_tflops: float) -> Result:
     workload = (result.n, result.p, result.r)
     for setting in candidate_settings(memory, cost, budget, workload, result.layout):
-        policy = policies.get(setting.recompute, setting.recompute_layers)
-        try:
-            steps = run_steps(policy, group, result.layout, result.p + setting.responses * result.r, repeats)
+        try:  # no local name for the policy: the next setting's rebuild frees it
+            steps = run_steps(policies.get(setting.recompute, setting.recompute_layers), group, result.layout,
+                              result.p + setting.responses * result.r, repeats)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not is_out_of_memory(err):
                 raise
@@ -388,9 +388,9 @@ def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
         result = Result(card, memory.config.num_layers, 2 * pairs, prompt, turns * (model + tool), layout,
                         workload="agent")
         for max_tokens, setting in agent_settings(memory, cost, budget, trajectories, layout):
-            policy = policies.get(setting.recompute, setting.recompute_layers)
-            try:
-                steps = run_steps(policy, trajectories, layout, max_tokens, repeats)
+            try:  # no local name for the policy: the next setting's rebuild frees it
+                steps = run_steps(policies.get(setting.recompute, setting.recompute_layers), trajectories, layout,
+                                  max_tokens, repeats)
             except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
                 if not is_out_of_memory(err):
                     raise
