@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="megatron-dualkv",
-    version="0.1.0",
+    version="0.2.0",
     description="Shared-prompt (DualKV) packing, attention kernels and Megatron-Core models for GRPO/DAPO post-training",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -21,7 +21,7 @@ setup(
         # psutil, which Megatron's distributed-checkpoint writer needs, TensorBoard logs
         # (--tensorboard-dir) and tools/plot_run.py's plots. Hugging Face tokenizers need transformers.
         "examples": ["tqdm", "sentencepiece", "psutil", "tensorboard", "matplotlib"],
-        "test": ["pytest>=8", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece", "tqdm", "psutil",
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece", "tqdm", "psutil",
                  "tensorboard", "matplotlib"],
         "bench": ["matplotlib"],
         # transformer-engine and apex are optional accelerators, used when present: install them the

@@ -24,4 +24,4 @@ __all__ = [
     "plan_micro_batches",
     "trajectory_groups",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

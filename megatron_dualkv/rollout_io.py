@@ -266,6 +266,9 @@ def _trajectory(record: dict, tokenizer, vocab_size: int, where: str) -> Traject
         ids, loss_mask = _conversation_ids(tokenizer, record["messages"], where)
     else:
         ids, loss_mask = record["tokens"], record.get("loss_mask")
+        if isinstance(ids, str):
+            raise RolloutFileError(f"{where}: a trajectory's 'tokens' are token ids; text comes as 'messages', "
+                                   "whose turns say what is trained")
         if isinstance(ids, list) and loss_mask is not None and not _is_loss_mask(loss_mask, len(ids)):
             raise RolloutFileError(f"{where}: 'loss_mask' must be a list of {len(ids)} values 0 or 1, one per token")
     _check_token_ids(ids, vocab_size, f"{where}: tokens")

@@ -8,7 +8,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest.ini's `-n auto` runs one xdist worker per core on a CPU machine: one thread each.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto`: one per core on a CPU machine, where the suite is mostly single-threaded
+    (the Triton interpreter, subprocesses); none on a GPU machine, where the workers' models run each
+    other out of the one GPU's memory (PERF_NOTES.md, run DS)."""
+    return 0 if torch.cuda.is_available() else max(1, os.cpu_count() or 1)
 
 # What `pytest -m "not slow"` leaves out, for a quick run of the rest in a few minutes (CI runs all):
 # subprocess runs of the launch script and the tools, multi-process gloo runs, the Triton compile

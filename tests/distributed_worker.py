@@ -22,6 +22,7 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
 """
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -122,14 +123,36 @@ PARALLEL_RUNS = {
     "trees_dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4), trees=True),
 }
 
+def random_tree_shapes(seed: int, groups: range, depth: int = 5, branching: int = 4) -> list:
+    """Seeded random trees in TREE_SHAPES' form, one per group: up to ``depth`` segments on a path and
+    ``branching`` children at a node (siblings of distinct lengths, so that they are distinct
+    segments), segments of 1-6 tokens, and trajectories that also end at some inner nodes."""
+    rng = random.Random(seed)
+    shapes = []
+
+    def grow(group, lens, masks):
+        children = rng.choice([0, 1, 1, 2, branching]) if len(lens) < depth else 0
+        if children == 0 or rng.random() < 0.3:
+            shapes.append((group, tuple(lens), tuple(masks)))
+        for n in rng.sample(range(1, 7), children):
+            grow(group, lens + [n], masks + [rng.randint(0, 1)])
+
+    for group in groups:
+        grow(group, [rng.randint(1, 6)], [0])
+    return shapes
+
+
 # Per micro-batch, trajectories as (group, segments, loss mask per segment): segments are token
 # counts along the path, cut from one seeded draw per distinct prefix, so that trajectories share
 # what they share by construction: multi-turn episodes branching at depth 3 with a masked tool
 # output, one-token segments, a trajectory that ends at an inner node, a duplicate, two groups.
+# The second micro-batch also holds six random trees (seed 22: 17 trajectories in 96 packed tokens,
+# paths of 5 segments, a node with 4 children, five one-token segments, five trajectories ending at
+# inner nodes), so that every parallel run sees depth and branching no hand-written tree has.
 TREE_SHAPES = [
     [(0, (5, 3, 2, 4), (0, 1, 0, 1)), (0, (5, 3, 2, 1), (0, 1, 0, 1)), (0, (5, 3, 1), (0, 1, 1)), (0, (5, 1, 3), (0, 1, 1)),
      (0, (5, 3), (0, 1)), (1, (2, 3), (0, 1)), (1, (2, 2), (0, 1)), (1, (2, 2), (0, 1))],
-    [(0, (7, 1, 6), (0, 1, 1)), (0, (7, 2), (1, 1)), (1, (3, 4, 1), (0, 0, 1))],
+    [(0, (7, 1, 6), (0, 1, 1)), (0, (7, 2), (1, 1)), (1, (3, 4, 1), (0, 0, 1))] + random_tree_shapes(22, range(2, 8)),
 ]
 
 

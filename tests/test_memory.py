@@ -8,7 +8,7 @@ import torch
 
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.memory import (
-    GIB, MemoryModel, layer_activation_bytes, layer_modes, rank_parameters, stage_layers,
+    GIB, MemoryModel, layer_modes, rank_parameters, stage_layers,
 )
 from megatron_dualkv.models import build_model
 

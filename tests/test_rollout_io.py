@@ -222,6 +222,7 @@ def test_the_bundled_agent_episodes():
         ('{"tokens": [1, 2], "loss_mask": [1, 2], "reward": 1, "group": 0}', r":1: 'loss_mask' must be a list of 2"),
         ('{"tokens": [], "reward": 1, "group": 0}', r":1: tokens: expected a non-empty list of token ids"),
         ('{"tokens": [1, 300], "reward": 1, "group": 0}', r":1: tokens: token id 300 is outside the model's"),
+        ('{"tokens": "some text", "reward": 1, "group": 0}', r":1: a trajectory's 'tokens' are token ids; text comes as 'messages'"),
         ('{"tokens": [1, 2], "reward": 1, "group": 0, "logprobs": [-1, -1]}',
          r":1: 'logprobs' are read with rollout groups only"),
         ('{"tokens": [1], "messages": [], "reward": 1, "group": 0}', r":1: a trajectory has 'tokens' or 'messages'"),

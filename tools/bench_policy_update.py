@@ -27,8 +27,9 @@ theirs, with the matmul rate of their own run) and redraws its PNG.
 ``--agent``: instead of the groups, issue #31's workload (a), agent episodes as trajectories (a
 4096-token prompt, 8 trajectories of 4 turns of 512 trained model tokens then 512 masked tool
 tokens, the first turn shared in pairs: 32,768 packed tokens for 65,536), one rollout batch per
-step: the packed prefix tree against the replicated trajectories, each with selective recompute
-and the largest micro-batch budget (packed tokens, halving from the whole tree) that runs. Rows:
+step: the packed prefix tree against the replicated trajectories, each at the first setting that
+runs of those the memory and cost models rank (micro-batch budgets in packed tokens, halving from the
+whole tree, each with the least recompute that fits), as ``--full-depth`` does. Rows:
 N trajectories, P the prompt, R the tokens after it.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
 from megatron_dualkv.memory import GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
+from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
 
 WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
@@ -350,27 +352,30 @@ def agent_settings(memory: MemoryModel, cost: CostModel, budget: float, trajecto
     then halving) the least recompute that fits ``budget``, as (budget, setting), fewest executed FLOPs
     first (ties: the larger micro-batch)."""
     layers = memory.config.num_layers
-    trained = sum(sum(t.loss_mask) for t in trajectories) / sum(len(t.tokens) for t in trajectories)
     settings = []
     max_tokens = plan_micro_batches(trajectories, 1 << 30).packed_tokens
     while max_tokens >= len(trajectories[0].tokens):
         mbs = [mb for mb in plan_micro_batches(trajectories, max_tokens).ranks[0] if not mb.is_padding]
-        layouts = [mb.pack().layout if layout == "packed" else
-                   DualKVLayout(tuple(len(t.tokens) for t in mb.trajectories), ((),) * len(mb.trajectories))
-                   for mb in mbs]
-        tokens = max(mb_layout.total_tokens for mb_layout in layouts)
+        # per micro-batch: (layout, rows that predict a trained token: a shared one once when packed)
+        parts = []
+        for mb in mbs:
+            batch = mb.pack()
+            tokens = ResponseTokens.of(batch)
+            parts.append((batch.layout, tokens.num_predictions) if layout == "packed" else
+                         (batch.replicated().layout, tokens.num_tokens))
+        tokens, rows = max((part[0].total_tokens, part[1]) for part in parts)
         try:
-            fit = memory.fit(budget, tokens, predicting_fraction=trained, num_micro_batches=len(mbs), layout=layout)
+            fit = memory.fit(budget, tokens, predicting_fraction=rows / tokens, num_micro_batches=len(mbs),
+                             layout=layout)
         except ValueError:
             max_tokens //= 2
             continue
         recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
-        prediction = memory.peak(tokens, int(trained * tokens), fit.recompute, fit.recompute_layers, len(mbs),
-                                 layout=layout)
+        prediction = memory.peak(tokens, rows, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
         settings.append((max_tokens, Setting(
             max(len(mb.trajectories) for mb in mbs), fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
-            useful_flops=sum(4 * cost.layout_flops(x, predicting_rows=int(trained * x.total_tokens)) for x in layouts),
-            recompute_flops=sum(recomputed * cost.layer_flops(x, layers) for x in layouts),
+            useful_flops=sum(4 * cost.layout_flops(x, predicting_rows=r) for x, r in parts),
+            recompute_flops=sum(recomputed * cost.layer_flops(x, layers) for x, _ in parts),
         )))
         max_tokens //= 2
     return sorted(settings, key=lambda s: (s[1].executed_flops, -s[0]))
