@@ -326,23 +326,35 @@ def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel
                      budget: float, repeats: int, peak_tflops: float) -> Result:
     workload = (result.n, result.p, result.r)
     for setting in candidate_settings(memory, cost, budget, workload, result.layout):
-        try:  # no local name for the policy: the next setting's rebuild frees it
-            steps = run_steps(policies.get(setting.recompute, setting.recompute_layers), group, result.layout,
-                              result.p + setting.responses * result.r, repeats)
-        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            if not is_out_of_memory(err):
-                raise
-            steps = None
-        if steps is None:  # outside the except block: the exception's frames, which hold the activations, are gone
-            print(f"  {result.model} {result.layout} {workload}: {setting} runs out of memory", flush=True)
-            free_memory()
-            continue
-        measured(result, setting.responses, steps, peak_tflops)
-        result.recompute, result.recompute_layers = setting.recompute, setting.recompute_layers
-        result.recompute_flops = setting.recompute_flops / setting.useful_flops
-        result.predicted_gib = setting.predicted_gib
-        return result
+        steps = steps_that_fit(policies, setting, group, result.layout, result.p + setting.responses * result.r,
+                               repeats, f"{result.model} {result.layout} {workload}")
+        if steps is not None:
+            return measured_at(result, setting, steps, peak_tflops)
     print(f"  {result.model} {result.layout} {workload}: no setting fits", flush=True)
+    return result
+
+
+def steps_that_fit(policies: PolicyCache, setting: Setting, rollouts, layout: str, max_tokens: int, repeats: int,
+                   label: str):
+    """``run_steps`` with the policy of ``setting``, or None when they run out of memory."""
+    try:  # no local name for the policy: the next setting's rebuild frees it
+        return run_steps(policies.get(setting.recompute, setting.recompute_layers), rollouts, layout, max_tokens,
+                         repeats)
+    except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(err):
+            raise
+    # outside the except block: the exception's frames, which hold the activations, are gone
+    print(f"  {label}: {setting} at {max_tokens} tokens runs out of memory", flush=True)
+    free_memory()
+    return None
+
+
+def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> Result:
+    """``measured`` with the setting's recompute and the memory model's peak."""
+    measured(result, setting.responses, steps, peak_tflops)
+    result.recompute, result.recompute_layers = setting.recompute, setting.recompute_layers
+    result.recompute_flops = setting.recompute_flops / setting.useful_flops
+    result.predicted_gib = setting.predicted_gib
     return result
 
 
@@ -393,24 +405,13 @@ def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
         result = Result(card, memory.config.num_layers, 2 * pairs, prompt, turns * (model + tool), layout,
                         workload="agent")
         for max_tokens, setting in agent_settings(memory, cost, budget, trajectories, layout):
-            try:  # no local name for the policy: the next setting's rebuild frees it
-                steps = run_steps(policies.get(setting.recompute, setting.recompute_layers), trajectories, layout,
-                                  max_tokens, repeats)
-            except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-                if not is_out_of_memory(err):
-                    raise
-                steps = None
-            if steps is None:  # outside the except block: the exception's frames, which hold the activations, are gone
-                print(f"  {card} agent {layout}: {setting} at {max_tokens} tokens runs out of memory", flush=True)
-                free_memory()
+            steps = steps_that_fit(policies, setting, trajectories, layout, max_tokens, repeats, f"{card} agent {layout}")
+            if steps is None:
                 continue
+            measured_at(result, setting, steps, peak_tflops)
             planned = [mb for mb in plan_micro_batches(trajectories, max_tokens).ranks[0] if not mb.is_padding]
-            measured(result, setting.responses, steps, peak_tflops)
             result.micro_batch_tokens = max(mb.num_tokens if layout == "packed" else
                                             sum(len(t.tokens) for t in mb.trajectories) for mb in planned)
-            result.recompute, result.recompute_layers = setting.recompute, setting.recompute_layers
-            result.recompute_flops = setting.recompute_flops / setting.useful_flops
-            result.predicted_gib = setting.predicted_gib
             break
         results.append(result)
     results[0].speedup = results[1].step_s / results[0].step_s
