@@ -34,8 +34,19 @@ SLOW_TESTS = {
     "test_planned_micro_batches_reproduce_the_whole_batch", "test_importing_the_package_maps_nothing",
 }
 
+# Modules of the kernels, layouts and packing, which use no Megatron-Core, marked `without_megatron`:
+# .ci/run's second pass, which puts another Megatron-Core in front, leaves them out (a third of the
+# suite's time). tests/test_suite_markers.py checks that importing them imports no Megatron.
+WITHOUT_MEGATRON_MODULES = {
+    "test_ab_native.py", "test_check_triton_compile.py", "test_depth1_tables.py", "test_dualkv_attn.py",
+    "test_dualkv_attn_gpu.py", "test_dualkv_attn_sm90.py", "test_geglu.py", "test_layout.py", "test_packing.py",
+    "test_reference.py", "test_rms_norm.py", "test_row_gather_sum.py", "test_tool_args.py", "test_trajectories.py",
+}
+
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name in SLOW_MODULES or getattr(item, "originalname", item.name) in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+        if item.path.name in WITHOUT_MEGATRON_MODULES:
+            item.add_marker(pytest.mark.without_megatron)
