@@ -14,6 +14,8 @@ Math per token t in [0, n) and column c (fp32 accumulation, one rounding to x's 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -40,12 +42,14 @@ def row_gather_sum_reference(x: torch.Tensor, order: torch.Tensor, k: int) -> to
     return x.index_select(0, order).view(-1, k, x.shape[1]).float().sum(1).to(x.dtype)
 
 
-def row_gather_sum(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+def row_gather_sum(x: torch.Tensor, order: torch.Tensor, k: int, use_kernel: Optional[bool] = None) -> torch.Tensor:
     """x (n k, h), order (n k,) int64, a permutation of x's rows grouped by token -> y (n, h) in x's
     dtype, y[t] = sum_{j < k} x[order[t k + j]] accumulated in float32.
 
-    The kernel on CUDA (and on CPU under ``TRITON_INTERPRET=1``), else the PyTorch ops. No autograd:
-    callers wrap it in their own ``torch.autograd.Function``.
+    use_kernel: None, the kernel on CUDA devices and the PyTorch ops elsewhere (the interpreter would
+    run every MoE layer on the CPU at Python speed); True, the kernel wherever Triton runs (on CPU
+    under ``TRITON_INTERPRET=1``: the tests); False, the PyTorch ops. No autograd: callers wrap it in
+    their own ``torch.autograd.Function``.
     """
     if x.dim() != 2:
         raise ValueError(f"row_gather_sum: x must be (rows, hidden), got shape {tuple(x.shape)}")
@@ -58,7 +62,8 @@ def row_gather_sum(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor
         raise ValueError(f"row_gather_sum: k must be >= 1 and divide the {x.shape[0]} rows of x, got k={k}")
     if order.device != x.device:
         raise ValueError(f"row_gather_sum: x on {x.device}, order on {order.device}")
-    if x.numel() == 0 or not triton_available(x.device):  # no grid to launch for no rows or columns
+    kernel = (x.is_cuda if use_kernel is None else bool(use_kernel)) and triton_available(x.device)
+    if x.numel() == 0 or not kernel:  # no grid to launch for no rows or columns
         return row_gather_sum_reference(x, order, k)
     x, order = x.contiguous(), order.contiguous()
     n, h = x.shape[0] // k, x.shape[1]
