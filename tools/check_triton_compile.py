@@ -119,7 +119,7 @@ def elementwise_cases(dtype: torch.dtype):
     rms_norm_func(x, weight, 1e-6).float().sum().backward()
     rms_norm_func(x, None, 1e-6, True).float().sum().backward()
     geglu_func(torch.randn(5, 2 * 300, dtype=dtype, requires_grad=True)).float().sum().backward()
-    row_gather.row_gather_sum(torch.randn(5 * 8, 1100, dtype=dtype), torch.randperm(5 * 8), 8)
+    row_gather.row_gather_sum(torch.randn(5 * 8, 1100, dtype=dtype), torch.randperm(5 * 8), 8, use_kernel=True)
 
 
 def cases(head_dims, dtypes):
