@@ -199,9 +199,10 @@ def run_whole(model, groups, loss_fn):
     return out.loss, grads_of(model)
 
 
-def run_planned(model, groups, loss_fn, plan, normalize=True):
-    """Every DP rank's micro-batches through the schedule in one process; DDP's mean over ranks by hand."""
-    whole_advantages = loss_fn.advantages([torch.tensor(g.rewards) for g in groups])
+def run_planned(model, advantages, loss_fn, plan, behaviour=behaviour_inputs, normalize=True):
+    """Every DP rank's micro-batches through the schedule in one process, each with its part of the
+    whole batch's ``advantages`` and ``behaviour(model, batch, response ids)``'s old and reference
+    log-probs; DDP's mean over ranks by hand."""
     if normalize:
         loss_fn = dataclasses.replace(loss_fn, normalizer=plan.loss_normalizer(loss_fn.aggregation))
     model.zero_grad(set_to_none=True)
@@ -211,16 +212,17 @@ def run_planned(model, groups, loss_fn, plan, normalize=True):
         for mb in micro_batches:
             batch = mb.pack(pad_to_multiple_of=4)
             if mb.is_padding:  # its own log-probs: ratio 1 and KL 0 at zero advantage
-                with torch.no_grad():
-                    current = forward_logprobs(model, batch)
-                old = ref = current
-            else:
-                old, ref = behaviour_inputs(model, batch, mb.response_index.tolist())
-            rl_batches.append(RLMicroBatch(batch, old, ref, mb.select_responses(whole_advantages)))
+                rl_batches.append(RLMicroBatch(batch, is_padding=True))
+                continue
+            old, ref = behaviour(model, batch, mb.response_index.tolist())
+            rl_batches.append(RLMicroBatch(batch, old, ref, mb.select_responses(advantages)))
         outputs = forward_backward(model, rl_batches, loss_fn)
         loss += sum(out.loss for out in outputs) / (plan.num_micro_batches * plan.dp_size)
-    grads = {name: grad / plan.dp_size for name, grad in grads_of(model).items()}
-    return loss, grads
+    return loss, {name: grad / plan.dp_size for name, grad in grads_of(model).items()}
+
+
+def group_advantages(loss_fn, groups):
+    return loss_fn.advantages([torch.tensor(g.rewards) for g in groups])
 
 
 def grads_of(model):
@@ -254,7 +256,7 @@ def test_planned_micro_batches_reproduce_the_whole_batch(model, loss_name, data)
     max_tokens = data.draw(st.integers(longest, max(longest, total // 2)))
     plan = plan_micro_batches(groups, max_tokens, dp_size=data.draw(st.integers(1, 3)))
     whole_loss, whole_grads = run_whole(model, groups, loss_fn)
-    loss, grads = run_planned(model, groups, loss_fn, plan)
+    loss, grads = run_planned(model, group_advantages(loss_fn, groups), loss_fn, plan)
     torch.testing.assert_close(loss, whole_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == whole_grads.keys()
     for name, grad in grads.items():
@@ -268,7 +270,7 @@ def test_padding_micro_batches_leave_the_loss_and_gradients_exact(model):
     assert [[mb.is_padding for mb in mbs] for mbs in plan.ranks] == [[False, True], [False, False]]
     loss_fn = LOSSES["grpo-seq-kl"]
     whole_loss, whole_grads = run_whole(model, groups, loss_fn)
-    loss, grads = run_planned(model, groups, loss_fn, plan)
+    loss, grads = run_planned(model, group_advantages(loss_fn, groups), loss_fn, plan)
     torch.testing.assert_close(loss, whole_loss, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, whole_grads[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -281,5 +283,5 @@ def test_without_the_global_normalizer_the_split_is_not_exact(model):
     assert plan.num_micro_batches > 1
     loss_fn = LOSSES["dapo"]
     whole_loss, _ = run_whole(model, groups, loss_fn)
-    loss, _ = run_planned(model, groups, loss_fn, plan, normalize=False)
+    loss, _ = run_planned(model, group_advantages(loss_fn, groups), loss_fn, plan, normalize=False)
     assert not math.isclose(loss.item(), whole_loss.item(), rel_tol=1e-3)

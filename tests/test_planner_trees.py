@@ -2,7 +2,6 @@
 budgets, the union's tokens and cost against the packed layout, trees kept whole when they fit,
 a tree over the budget split into subtrees that carry their path, bad input named by trajectory,
 and exactness: the planned micro-batches accumulate the loss and gradients of the whole batch."""
-import dataclasses
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from megatron_dualkv.models import build_model
 from megatron_dualkv.planner import DEFAULT_ATTENTION_WEIGHT
 from megatron_dualkv.rl import DAPOLoss, GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, trajectory_logprobs
 from strategies import trajectory_sets
+from test_planner import grads_of, run_planned
 from test_rl_trees import with_rewards
 
 
@@ -167,33 +167,6 @@ def run_whole(model, trajectories, loss_fn):
     return out.loss, grads_of(model)
 
 
-def run_planned(model, trajectories, loss_fn, plan):
-    """Every DP rank's micro-batches through the schedule in one process; DDP's mean over ranks by hand."""
-    groups = trajectory_groups(trajectories)
-    advantages = loss_fn.advantages([torch.tensor([trajectories[i].reward for i in members]) for members in groups])
-    loss_fn = dataclasses.replace(loss_fn, normalizer=plan.loss_normalizer(loss_fn.aggregation))
-    model.zero_grad(set_to_none=True)
-    loss = 0.0
-    for micro_batches in plan.ranks:
-        rl_batches = []
-        for mb in micro_batches:
-            batch = mb.pack(pad_to_multiple_of=4)
-            if mb.is_padding:  # its own log-probs: ratio 1 and KL 0 at zero advantage
-                rl_batches.append(RLMicroBatch(batch, is_padding=True))
-                continue
-            old, ref = behaviour_inputs(model, batch, mb.response_index.tolist())
-            rl_batches.append(RLMicroBatch(batch, old, ref, mb.select_responses(advantages)))
-        outputs = forward_backward(model, rl_batches, loss_fn)
-        loss += sum(out.loss for out in outputs) / (plan.num_micro_batches * plan.dp_size)
-    return loss, {name: grad / plan.dp_size for name, grad in grads_of(model).items()}
-
-
-def grads_of(model):
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 LOSSES = {"grpo-seq-kl": GRPOLoss(clip_eps=0.2, kl_coef=0.05), "dapo": DAPOLoss()}
 
 
@@ -209,7 +182,9 @@ def test_planned_micro_batches_reproduce_the_whole_batch(model, loss_name, data)
     max_tokens = data.draw(st.integers(longest, max(longest, distinct_prefixes(trajectories) // 2)))
     plan = plan_micro_batches(trajectories, max_tokens, dp_size=data.draw(st.integers(1, 3)))
     whole_loss, whole_grads = run_whole(model, trajectories, LOSSES[loss_name])
-    loss, grads = run_planned(model, trajectories, LOSSES[loss_name], plan)
+    groups = trajectory_groups(trajectories)
+    advantages = LOSSES[loss_name].advantages([torch.tensor([trajectories[i].reward for i in g]) for g in groups])
+    loss, grads = run_planned(model, advantages, LOSSES[loss_name], plan, behaviour_inputs)
     torch.testing.assert_close(loss, whole_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == whole_grads.keys()
     for name, grad in grads.items():
