@@ -525,22 +525,20 @@ def _split_tree(forest: _Forest, members: List[int], capacity: int, parts: Optio
     node = forest.nodes[forest.paths[members[0]][depth][0]]
     head = node.position + max(forest.paths[i][depth][1] for i in members)  # the common path's tokens
     head_cost = head + forest.weight * causal_pairs(head)
-    pieces = []
+    pieces = []  # (trajectories, tokens, cost)
     for piece in forest.pieces(members, depth):
-        fits = forest.tokens_and_cost(piece)[0] <= capacity
-        pieces += [piece] if fits else _split_tree(forest, piece, capacity)
-    room = capacity - head
-    sizes, costs = [], []
-    for piece in pieces:
         tokens, cost = forest.tokens_and_cost(piece)
-        sizes.append(max(0, tokens - head))
-        costs.append(max(0.0, cost - head_cost))
+        pieces += ([(piece, tokens, cost)] if tokens <= capacity else
+                   [(part, *forest.tokens_and_cost(part)) for part in _split_tree(forest, piece, capacity)])
+    room = capacity - head
+    sizes = [max(0, tokens - head) for _, tokens, _ in pieces]
+    costs = [max(0.0, cost - head_cost) for _, _, cost in pieces]
     count = parts or max(1, -(-sum(sizes) // max(room, 1)))
     bins = None
     while bins is None:
         bins = _bins(sizes, costs, count, room)
         count += 1
-    return [sorted(i for p in b for i in pieces[p]) for b in bins if b]
+    return [sorted(i for p in b for i in pieces[p][0]) for b in bins if b]
 
 
 def _plan_trajectories(trajectories: List[Trajectory], max_tokens: int, dp_size: int,
@@ -569,8 +567,9 @@ def _plan_trajectories(trajectories: List[Trajectory], max_tokens: int, dp_size:
         trees.setdefault((group_of[i], path[0][0]), []).append(i)
     items = []
     for tree in trees.values():
-        fits = forest.tokens_and_cost(tree)[0] <= max_tokens
-        items += [item(tree)] if fits else [item(part) for part in _split_tree(forest, tree, max_tokens)]
+        whole_tree = item(tree)
+        items += ([whole_tree] if whole_tree.tokens <= max_tokens else
+                  [item(part) for part in _split_tree(forest, tree, max_tokens)])
     items = _split_until_every_rank_has_work(
         items, dp_size, lambda it: [item(part) for part in _split_tree(forest, members(it), max_tokens, parts=2)])
     bins_per_rank = _pack_ranks(_assign_to_ranks(items, dp_size), max_tokens)

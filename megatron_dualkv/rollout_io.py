@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
@@ -131,7 +132,7 @@ class HuggingFaceTokenizer:
             header = 0
             if message["role"] == "assistant":  # the generation prompt's header; tokens may merge at its end
                 prompt = self._rendered(turns[:k], add_generation_prompt=True)
-                header = _common_prefix(prompt, full) - len(ids)
+                header = len(os.path.commonprefix([prompt, full])) - len(ids)
             added = len(full) - len(ids)
             mask += [False] * max(header, 0) + [_trained(message)] * (added - max(header, 0))
             ids = full
@@ -276,9 +277,7 @@ def _trajectory(record: dict, tokenizer, vocab_size: int, where: str) -> Traject
 
 
 def _conversation_ids(tokenizer, messages, where: str) -> Tuple[List[int], List[bool]]:
-    well_formed = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        and isinstance(m.get("train", False), bool) for m in messages)
+    well_formed = _is_chat(messages) and all(isinstance(m.get("train", False), bool) for m in messages)
     if not well_formed:
         raise RolloutFileError(f"{where}: 'messages' must be a non-empty list of objects with 'role' and 'content' "
                                "strings and an optional 'train' true or false")
@@ -297,12 +296,6 @@ def _is_loss_mask(values, length: int) -> bool:
     return isinstance(values, list) and len(values) == length and all(
         isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)) for v in values)
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _token_ids(tokenizer, prompt, responses: list, where: str):

@@ -153,15 +153,11 @@ def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tf
     n, p, r = result.n, result.p, result.r
     k = n
     while k >= 1:
-        try:
-            # the planner cuts the group into sub-groups of k responses
-            return measured(result, k, run_steps(policy, group, layout, p + k * r, repeats), peak_tflops)
-        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            if not is_out_of_memory(err):
-                raise
-        # Outside the except block: the exception's frames, which hold the activations, are gone.
-        print(f"  {result.model} {layout} N={n}: {k} responses per micro-batch run out of memory", flush=True)
-        free_memory()
+        # the planner cuts the group into sub-groups of k responses
+        steps = steps_that_fit(policy, group, layout, p + k * r, repeats,
+                               f"{result.model} {layout} N={n}: {k} responses per micro-batch")
+        if steps is not None:
+            return measured(result, k, steps, peak_tflops)
         k //= 2
     return result
 
@@ -326,25 +322,25 @@ def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel
                      budget: float, repeats: int, peak_tflops: float) -> Result:
     workload = (result.n, result.p, result.r)
     for setting in candidate_settings(memory, cost, budget, workload, result.layout):
-        steps = steps_that_fit(policies, setting, group, result.layout, result.p + setting.responses * result.r,
-                               repeats, f"{result.model} {result.layout} {workload}")
+        # no local name for the policy: the next setting's rebuild frees it
+        steps = steps_that_fit(policies.get(setting.recompute, setting.recompute_layers), group, result.layout,
+                               result.p + setting.responses * result.r, repeats,
+                               f"{result.model} {result.layout} {workload}: {setting}")
         if steps is not None:
             return measured_at(result, setting, steps, peak_tflops)
     print(f"  {result.model} {result.layout} {workload}: no setting fits", flush=True)
     return result
 
 
-def steps_that_fit(policies: PolicyCache, setting: Setting, rollouts, layout: str, max_tokens: int, repeats: int,
-                   label: str):
-    """``run_steps`` with the policy of ``setting``, or None when they run out of memory."""
-    try:  # no local name for the policy: the next setting's rebuild frees it
-        return run_steps(policies.get(setting.recompute, setting.recompute_layers), rollouts, layout, max_tokens,
-                         repeats)
+def steps_that_fit(policy, rollouts, layout: str, max_tokens: int, repeats: int, label: str):
+    """``run_steps``, or None when they run out of memory."""
+    try:
+        return run_steps(policy, rollouts, layout, max_tokens, repeats)
     except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
     # outside the except block: the exception's frames, which hold the activations, are gone
-    print(f"  {label}: {setting} at {max_tokens} tokens runs out of memory", flush=True)
+    print(f"  {label} at {max_tokens} tokens runs out of memory", flush=True)
     free_memory()
     return None
 
@@ -359,10 +355,10 @@ def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> 
 
 
 def agent_settings(memory: MemoryModel, cost: CostModel, budget: float, trajectories: List[Trajectory], layout: str
-                   ) -> List[Tuple[int, Setting]]:
+                   ) -> List[Tuple[int, int, Setting]]:
     """--agent's ``candidate_settings``: for every micro-batch budget (packed tokens: the whole tree,
-    then halving) the least recompute that fits ``budget``, as (budget, setting), fewest executed FLOPs
-    first (ties: the larger micro-batch)."""
+    then halving) the least recompute that fits ``budget``, as (budget, tokens of the largest micro-batch
+    in the layout, setting), fewest executed FLOPs first (ties: the larger micro-batch)."""
     layers = memory.config.num_layers
     settings = []
     max_tokens = plan_micro_batches(trajectories, 1 << 30).packed_tokens
@@ -372,9 +368,9 @@ def agent_settings(memory: MemoryModel, cost: CostModel, budget: float, trajecto
         parts = []
         for mb in mbs:
             batch = mb.pack()
-            tokens = ResponseTokens.of(batch)
-            parts.append((batch.layout, tokens.num_predictions) if layout == "packed" else
-                         (batch.replicated().layout, tokens.num_tokens))
+            trained = ResponseTokens.of(batch)
+            parts.append((batch.layout, trained.num_predictions) if layout == "packed" else
+                         (batch.replicated().layout, trained.num_tokens))
         tokens, rows = max((part[0].total_tokens, part[1]) for part in parts)
         try:
             fit = memory.fit(budget, tokens, predicting_fraction=rows / tokens, num_micro_batches=len(mbs),
@@ -384,13 +380,13 @@ def agent_settings(memory: MemoryModel, cost: CostModel, budget: float, trajecto
             continue
         recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
         prediction = memory.peak(tokens, rows, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
-        settings.append((max_tokens, Setting(
+        settings.append((max_tokens, tokens, Setting(
             max(len(mb.trajectories) for mb in mbs), fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
             useful_flops=sum(4 * cost.layout_flops(x, predicting_rows=r) for x, r in parts),
             recompute_flops=sum(recomputed * cost.layer_flops(x, layers) for x, _ in parts),
         )))
         max_tokens //= 2
-    return sorted(settings, key=lambda s: (s[1].executed_flops, -s[0]))
+    return sorted(settings, key=lambda s: (s[2].executed_flops, -s[0]))
 
 
 def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
@@ -404,14 +400,12 @@ def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
     for layout, repeats in (("packed", args.repeats), ("replicated", args.replicated_repeats or args.repeats)):
         result = Result(card, memory.config.num_layers, 2 * pairs, prompt, turns * (model + tool), layout,
                         workload="agent")
-        for max_tokens, setting in agent_settings(memory, cost, budget, trajectories, layout):
-            steps = steps_that_fit(policies, setting, trajectories, layout, max_tokens, repeats, f"{card} agent {layout}")
+        for max_tokens, micro_batch_tokens, setting in agent_settings(memory, cost, budget, trajectories, layout):
+            steps = steps_that_fit(policies.get(setting.recompute, setting.recompute_layers), trajectories, layout,
+                                   max_tokens, repeats, f"{card} agent {layout}: {setting}")
             if steps is None:
                 continue
-            measured_at(result, setting, steps, peak_tflops)
-            planned = [mb for mb in plan_micro_batches(trajectories, max_tokens).ranks[0] if not mb.is_padding]
-            result.micro_batch_tokens = max(mb.num_tokens if layout == "packed" else
-                                            sum(len(t.tokens) for t in mb.trajectories) for mb in planned)
+            measured_at(result, setting, steps, peak_tflops).micro_batch_tokens = micro_batch_tokens
             break
         results.append(result)
     results[0].speedup = results[1].step_s / results[0].step_s

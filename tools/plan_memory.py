@@ -22,8 +22,8 @@ from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
 hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
 from tool_args import add_verbose_flag  # noqa: E402
 from bench_attention import write_table  # noqa: E402
-from megatron_dualkv.mcore import ParallelSizes, plan_parallel  # noqa: E402
-from megatron_dualkv.memory import GIB, MemoryModel  # noqa: E402
+from megatron_dualkv.mcore import plan_parallel  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel  # noqa: E402
 
 H200_GIB = 143771 / 1024  # what torch reports of an H200's memory
 PLANS = {
@@ -35,7 +35,7 @@ PLANS = {
 def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches: int) -> dict:
     tp, pp, ep, cp = (int(x) for x in layout.split("x"))
     parallel = plan_parallel(gpus, tp=tp, pp=pp, ep=ep, cp=cp)
-    memory = MemoryModel.for_card(card, ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp), dp=parallel.dp,
+    memory = MemoryModel.for_card(card, parallel.sizes, dp=parallel.dp,
                                   distributed_optimizer=parallel.dp > 1)
     n, p, r = group
     tokens = p + n * r
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batches", type=int, default=8,
                         help="micro-batches per step and DP rank (how many a pipeline stage holds at once: 1F1B)")
     parser.add_argument("--gpu-gib", type=float, default=H200_GIB)
-    parser.add_argument("--margin", type=float, default=0.08, help="share of the GPU's memory left free")
+    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of the GPU's memory left free")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if (args.card is None) != (args.layouts is None):

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention import triton_available
+from ..attention import use_triton
 
 CHUNK_ELEMENTS = 1 << 28  # logits per chunk: 1 GiB in fp32 (the kernels keep them in the inputs' dtype)
 MIN_CHUNK_COLUMNS = 128  # even with very many rows: matrix products stay wide enough to run well
@@ -315,7 +315,7 @@ def linear_logprobs_func(
     valid = min(max(vocab_size - rank * local, 0), local)
     if chunk_columns is None:
         chunk_columns = max(MIN_CHUNK_COLUMNS, CHUNK_ELEMENTS // max(hidden.shape[0], 1))
-    kernels = hidden.is_cuda if use_kernels is None else bool(use_kernels) and triton_available(hidden.device)
+    kernels = use_triton(hidden.device, use_kernels)
     shard = _Shard(offset=rank * local, valid=valid, chunk=min(chunk_columns, max(valid, 1)), kernels=kernels)
     targets = targets.to(hidden.device, torch.int64, non_blocking=True).contiguous()
     return _LinearLogprobs.apply(hidden, weight, targets, shard, tp_group, None if softcap is None else float(softcap),

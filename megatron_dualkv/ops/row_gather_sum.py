@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import triton_available
+from ..attention import use_triton
 
 BLOCK_H = 1024  # columns per program
 
@@ -62,7 +62,7 @@ def row_gather_sum(x: torch.Tensor, order: torch.Tensor, k: int, use_kernel: Opt
         raise ValueError(f"row_gather_sum: k must be >= 1 and divide the {x.shape[0]} rows of x, got k={k}")
     if order.device != x.device:
         raise ValueError(f"row_gather_sum: x on {x.device}, order on {order.device}")
-    kernel = (x.is_cuda if use_kernel is None else bool(use_kernel)) and triton_available(x.device)
+    kernel = use_triton(x.device, use_kernel)
     if x.numel() == 0 or not kernel:  # no grid to launch for no rows or columns
         return row_gather_sum_reference(x, order, k)
     x, order = x.contiguous(), order.contiguous()

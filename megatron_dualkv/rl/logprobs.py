@@ -225,15 +225,16 @@ def _model_device(model) -> torch.device:
 
 
 def _packed_output(model, batch) -> Tensor:
+    # the tokens and the layout (whose .to is cached) only: not the batch's per-trajectory tensors
     device = _model_device(model)
-    batch = batch.to(device)
+    layout = batch.layout.to(device)
     padding = torch.zeros(batch.num_tokens, dtype=torch.bool, device=device)
-    padding[batch.num_tokens - batch.layout.pad_len :] = True
+    padding[batch.num_tokens - layout.pad_len :] = True
     return model(
-        input_ids=batch.tokens.unsqueeze(0),
-        position_ids=batch.position_ids.unsqueeze(0),
+        input_ids=batch.tokens.to(device).unsqueeze(0),
+        position_ids=layout.position_ids.unsqueeze(0),
         attention_mask=None,
-        packed_seq_params=DualKVPackedSeqParams.from_layout(batch.layout),
+        packed_seq_params=DualKVPackedSeqParams.from_layout(layout),
         padding_mask=padding.unsqueeze(0),
         skip_output_layer=True,
     )

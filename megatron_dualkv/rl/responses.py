@@ -50,7 +50,8 @@ class ResponseTokens:
     lens:            (num_responses,) trained-token count of each response
     response_lens:   per group, those counts
     trajectory_of:   (num_responses,) for a TrajectoryBatch, the input number of each response's
-                     trajectory; None for a PackedBatch (its responses are in packed order)
+                     trajectory, on the host (it indexes Python lists); None for a PackedBatch
+                     (its responses are in packed order)
     distinct_index:  (U,) flat position of one copy of each distinct packed token, by packed
                      position; None when no two trained tokens are the same packed token
     copy_index:      (N,) which of those each trained token is (None with ``distinct_index``)
@@ -144,7 +145,7 @@ class ResponseTokens:
     def _to(self, device) -> "ResponseTokens":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, token_index=move(self.token_index), predictor_index=move(self.predictor_index),
-                       response_id=move(self.response_id), lens=move(self.lens), trajectory_of=move(self.trajectory_of),
+                       response_id=move(self.response_id), lens=move(self.lens),
                        distinct_index=move(self.distinct_index), copy_index=move(self.copy_index))
 
     @property
@@ -216,4 +217,4 @@ class ResponseTokens:
         takes), None when the batch has none."""
         if isinstance(batch, PackedBatch) or batch.rewards is None:
             return batch.rewards
-        return self.split_groups(batch.rewards.cpu()[self.trajectory_of.cpu()])
+        return self.split_groups(batch.rewards.cpu()[self.trajectory_of])

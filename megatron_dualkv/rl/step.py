@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..layout import DualKVLayout, TreeLayout
 from ..packing import PackedBatch
-from ..trajectories import TrajectoryBatch, predictor_index
+from ..trajectories import TrajectoryBatch
 from .logprobs import LAYOUTS, logprobs_from_output, model_output, response_logprobs
 from .losses import PolicyLoss
 from .responses import ResponseTokens
@@ -193,7 +193,12 @@ def _padded(batch, num_tokens: int):
         longer = DualKVLayout(layout.prompt_lens, layout.response_lens, layout.pad_len + extra, layout.device)
         return PackedBatch(tokens, longer, batch.rewards)
     longer = TreeLayout(layout.segment_lens, layout.segment_parent, layout.pad_len + extra, layout.device)
-    return TrajectoryBatch(tokens, longer, batch.trajectory_index, predictor_index(longer).to(tokens.device),
+    # the padding segment, a root: -1 at its start, then the token before
+    pad_start = batch.num_tokens - layout.pad_len
+    pad_predictors = torch.arange(pad_start - 1, num_tokens - 1, device=batch.predictor_index.device)
+    pad_predictors[0] = -1
+    predictors = torch.cat([batch.predictor_index[:pad_start], pad_predictors])
+    return TrajectoryBatch(tokens, longer, batch.trajectory_index, predictors,
                            batch.loss_masks, batch.rewards, batch.groups, batch.group_index, batch.trajectory_segments)
 
 
