@@ -45,6 +45,9 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # Megatron-Core's selective modules that checkpoint without output through Transformer Engine
 TE_ONLY_RECOMPUTE_MODULES = ("layernorm", "moe_act")
 
+# Our selective recompute (DualKVTransformerConfig): what recompute="selective" turns on
+SELECTIVE_RECOMPUTE_FIELDS = ("recompute_norms", "recompute_qk_norm_rope", "recompute_activations")
+
 Release = Callable[[Tensor], None]
 
 
@@ -71,8 +74,8 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None) -
     if mode == "selective":
         # Megatron's own selective modules stay off: "layernorm" and "moe_act" need TE, and
         # "core_attn" would recompute a fused attention kernel for nothing.
-        kwargs.update(recompute_granularity="selective", recompute_modules=[], recompute_norms=True,
-                      recompute_qk_norm_rope=True, recompute_activations=True)
+        kwargs.update(recompute_granularity="selective", recompute_modules=[],
+                      **dict.fromkeys(SELECTIVE_RECOMPUTE_FIELDS, True))
     if layers is not None:
         kwargs.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers)
         kwargs.pop("recompute_modules", None)

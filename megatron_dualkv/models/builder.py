@@ -23,7 +23,7 @@ from ..mcore.parallel import (
     padded_vocab_size,
     pipeline_stage_fields,
 )
-from ..mcore.recompute import TE_ONLY_RECOMPUTE_MODULES, recompute_config_kwargs
+from ..mcore.recompute import SELECTIVE_RECOMPUTE_FIELDS, TE_ONLY_RECOMPUTE_MODULES, recompute_config_kwargs
 from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
@@ -35,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Megatron-Core 0.16's block recompute calls the layers it does not recompute without the padding mask
 _BLOCK_RECOMPUTE_PASSES_PADDING = (package_info.MAJOR, package_info.MINOR) >= (0, 17)
 _RECOMPUTE_FIELDS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
-                     "recompute_norms", "recompute_qk_norm_rope", "recompute_activations")
+                     *SELECTIVE_RECOMPUTE_FIELDS)
 
 
 def family_of(card: ModelCard) -> ModelFamily:
@@ -255,8 +255,7 @@ def _check_recompute(config: TransformerConfig, use_transformer_engine: bool) ->
                 "not recompute without the padding mask, so their routing statistics would count the packing's "
                 "padding tokens; set those off, recompute every layer, or use megatron-core 0.17+"
             )
-    ours = [k for k in ("recompute_norms", "recompute_qk_norm_rope", "recompute_activations")
-            if getattr(config, k, False)]
+    ours = [k for k in SELECTIVE_RECOMPUTE_FIELDS if getattr(config, k, False)]
     if ours and use_transformer_engine:
         raise ValueError(
             f"{', '.join(ours)} (recompute='selective') run in the local spec's layers, not in Transformer "
