@@ -70,7 +70,7 @@ import torch
 
 from .layout import PackedLayout, SegmentNode, causal_pairs
 from .packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
-from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories
+from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories, trajectory_groups
 
 DEFAULT_ATTENTION_WEIGHT = 2.0**-14
 
@@ -289,21 +289,6 @@ def plan_micro_batches(
         rollout_tokens=sum(len(rs) * p + sum(rs) for p, rs in lens),
         packed_tokens=sum(item.tokens for item in items),
     )
-
-
-def trajectory_groups(trajectories: Sequence[Trajectory]) -> List[List[int]]:
-    """Per group (by ``Trajectory.group``, in order of first occurrence; one group when the
-    trajectories have none), the input numbers of its trajectories: the nesting (per group, per
-    trajectory) of per-trajectory results in ``megatron_dualkv.rl``, whose flat order (group by
-    group) a plan's ``response_index`` and the advantages of a plan's input follow."""
-    number: Dict = {}
-    out: List[List[int]] = []
-    for i, trajectory in enumerate(trajectories):
-        g = number.setdefault(trajectory.group, len(number))
-        if g == len(out):
-            out.append([])
-        out[g].append(i)
-    return out
 
 
 def _check_groups(groups: List[RolloutGroup], max_tokens: int) -> None:

@@ -170,6 +170,21 @@ def _path(roots: Dict[int, _Node], seq: np.ndarray) -> List[Tuple[_Node, int]]:
     return out
 
 
+def trajectory_groups(trajectories: Sequence[Trajectory]) -> List[List[int]]:
+    """Per group (by ``Trajectory.group``, in order of first occurrence; one group when the
+    trajectories have none), the input numbers of its trajectories: the nesting (per group, per
+    trajectory) of per-trajectory results in ``megatron_dualkv.rl``, whose flat order (group by
+    group) a plan's ``response_index`` and the advantages of a plan's input follow."""
+    number: Dict = {}
+    out: List[List[int]] = []
+    for i, trajectory in enumerate(trajectories):
+        g = number.setdefault(trajectory.group, len(number))
+        if g == len(out):
+            out.append([])
+        out[g].append(i)
+    return out
+
+
 def pack_trajectories(trajectories: Sequence[Trajectory], pad_to_multiple_of: int = 1,
                       pad_token_id: int = 0) -> TrajectoryBatch:
     """Pack trajectories as prefix trees, one per group (+ padding to a multiple of ``pad_to_multiple_of``).
@@ -191,12 +206,13 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_to_multiple_of: in
     loss_masks = [_loss_mask(t, i, len(seq)) for i, (t, seq) in enumerate(zip(trajectories, seqs))]
     rewards = _rewards(trajectories)
     groups = _all_or_none(trajectories, "group")
-    group_number: Dict[Hashable, int] = {}
-    for g in groups or (0,) * len(trajectories):
-        group_number.setdefault(g, len(group_number))
-    group_index = [group_number[g] for g in groups or (0,) * len(trajectories)]
+    members_of = trajectory_groups(trajectories)
+    group_index = [0] * len(trajectories)
+    for g, members in enumerate(members_of):
+        for i in members:
+            group_index[i] = g
 
-    forests: List[Dict[int, _Node]] = [{} for _ in group_number]  # per group, its roots by first token
+    forests: List[Dict[int, _Node]] = [{} for _ in members_of]  # per group, its roots by first token
     for seq, g in zip(seqs, group_index):
         _insert(forests[g], seq)
 
