@@ -14,7 +14,8 @@ mini-batches of as many groups
 (``megatron_dualkv.rl.plan_mini_batches``: packed micro-batches of at most --max-tokens tokens
 for the data-parallel ranks, ``plan_micro_batches``). Before the first update it computes the
 behaviour log-probs with one forward-only run of Megatron's schedule (or takes the rollouts'
-``"logprobs"``: without --tis-cap they are the behaviour log-probs and that pass is skipped), the
+``"logprobs"``: without --tis-cap they are the behaviour log-probs and that pass is skipped; with
+one update per step, the defaults, the update's own forward gives them and that pass is skipped), the
 reference log-probs of --ref-load the same way, and the advantages on whole groups; then --ppo-epochs
 E times the M updates (``ppo_updates``): Megatron's forward/backward schedule with the GRPO or DAPO
 loss, normalised over the mini-batch's groups, and Megatron's optimizer step. The learning rate
@@ -467,16 +468,23 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
     minis = plan_mini_batches(groups, ppo.mini_batches, max_tokens, advantages, dp_size=dp_size, dp_rank=dp_rank,
                               attention_weight=policy.cost.attention_weight, pad_to_multiple_of=policy.token_multiple)
     bypass = rollout_logprobs is not None and loss_fn.tis_cap is None
+    # one update: the policy it updates is the behaviour policy, whose log-probs its own forward gives
+    on_policy = not bypass and ppo.mini_batches == ppo.epochs == 1
     lr = policy.optimizer.param_groups[0]["lr"]
     _reset_peak_memory()
     start = _now()
-    minis, behaviour = _with_logprobs(policy, minis, layout, reference, rollout_logprobs, bypass)
+    minis, behaviour = _with_logprobs(policy, minis, layout, reference, rollout_logprobs, bypass, on_policy)
     updates, update_sums = [], []
+    # the behaviour log-probs of each real micro-batch, for the margin
+    behaviour_logprobs = [] if on_policy else [(mb, mb.old_logprobs) for mini in minis for mb in mini.micro_batches]
     mark = _now()
     # entropies: the behaviour pass's, else those of the first epoch's updates
-    for update in ppo_updates(policy.model, policy.optimizer, minis, loss_fn, ppo.epochs, layout=layout, with_entropy=bypass):
+    for update in ppo_updates(policy.model, policy.optimizer, minis, loss_fn, ppo.epochs, layout=layout,
+                              with_entropy=behaviour is None):
         update_sums.append(_dp_sum(_metric_sums(zip(update.mini_batch.micro_batches, update.outputs))))
         updates.append(_update_stats(update, update_sums[-1], dp_size, _now() - mark))
+        if on_policy:
+            behaviour_logprobs = [(mb, out.logprobs) for mb, out in zip(update.mini_batch.micro_batches, update.outputs)]
         mark = _now()
     seconds = _now() - start
     step_sums = torch.stack(update_sums).sum(0)
@@ -484,7 +492,7 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
     entropy_sums = step_sums if behaviour is None else _dp_sum(_metric_sums(
         (mb, out) for mini, outs in zip(minis, behaviour) for mb, out in zip(mini.micro_batches, outs)))
     passes = (behaviour is not None) + (reference is not None) + 3 * ppo.epochs  # forward-only, then forward+backward
-    totals = _dp_sum(torch.tensor([*_margin_sums(minis), passes * _forward_flops(policy.cost, minis, layout)]))
+    totals = _dp_sum(torch.tensor([*_margin_sums(behaviour_logprobs), passes * _forward_flops(policy.cost, minis, layout)]))
     pos, n_pos, neg, n_neg, flops = totals.tolist()
     return StepStats(
         loss=sum(u.loss for u in updates) / len(updates),
@@ -508,19 +516,21 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
     )
 
 
-def _with_logprobs(policy: Policy, minis: List[MiniBatch], layout: str, reference, rollout_logprobs, bypass: bool
-                   ) -> Tuple[List[MiniBatch], Optional[List[List[RLStepOutput]]]]:
+def _with_logprobs(policy: Policy, minis: List[MiniBatch], layout: str, reference, rollout_logprobs, bypass: bool,
+                   on_policy: bool) -> Tuple[List[MiniBatch], Optional[List[List[RLStepOutput]]]]:
     """The mini-batches with the log-probs their loss needs, all from before the first update: the
-    behaviour pass's (with entropies; or the rollouts' in ``bypass``), the reference's, the
-    rollouts' for the importance weights; and the behaviour pass's outputs (None when skipped)."""
-    behaviour = None if bypass else forward_only(policy.model, minis, layout, with_entropy=True)
+    behaviour pass's (with entropies; the rollouts' in ``bypass``; the update's own ``on_policy``),
+    the reference's, the rollouts' for the importance weights; and the behaviour pass's outputs
+    (None when skipped)."""
+    behaviour = None if bypass or on_policy else forward_only(policy.model, minis, layout, with_entropy=True)
     references = None if reference is None else forward_only(reference, minis, layout)
     rollout = None if rollout_logprobs is None else [mini.share(rollout_logprobs) for mini in minis]
     minis = [
         mini.with_logprobs(
-            old=rollout[j] if bypass else [out.logprobs for out in behaviour[j]],
+            old=rollout[j] if bypass else None if on_policy else [out.logprobs for out in behaviour[j]],
             ref=None if references is None else [out.logprobs for out in references[j]],
             rollout=None if bypass or rollout is None else rollout[j],
+            on_policy=on_policy,
         )
         for j, mini in enumerate(minis)
     ]
@@ -563,21 +573,20 @@ def _update_stats(update: PPOUpdate, sums: torch.Tensor, dp_size: int, seconds: 
     )
 
 
-def _margin_sums(minis: List[MiniBatch]) -> List[float]:
-    """Behaviour log-prob sums and counts of the responses with positive advantage, then of the others
-    (responses with trained tokens: a trajectory may have none)."""
+def _margin_sums(behaviour_logprobs: Iterable[Tuple[RLMicroBatch, List[List[torch.Tensor]]]]) -> List[float]:
+    """Of (micro-batch, its behaviour log-probs) pairs: the log-prob sums and counts of the responses
+    with positive advantage, then of the others (responses with trained tokens: a trajectory may have none)."""
     sums = torch.zeros(4, dtype=torch.float64)
-    for mini in minis:
-        for mb in mini.micro_batches:
-            if mb.is_padding:
-                continue
-            responses = [r.double().cpu() for group in mb.old_logprobs for r in group]
-            trained = torch.tensor([r.numel() > 0 for r in responses])
-            response_logp = torch.stack([r.mean() if r.numel() else r.new_zeros(()) for r in responses])
-            positive = (mb.advantages.double().cpu() > 0) & trained
-            negative = ~positive & trained
-            sums += torch.stack([response_logp[positive].sum(), positive.sum(),
-                                 response_logp[negative].sum(), negative.sum()])
+    for mb, logprobs in behaviour_logprobs:
+        if mb.is_padding:
+            continue
+        responses = [r.double().cpu() for group in logprobs for r in group]
+        trained = torch.tensor([r.numel() > 0 for r in responses])
+        response_logp = torch.stack([r.mean() if r.numel() else r.new_zeros(()) for r in responses])
+        positive = (mb.advantages.double().cpu() > 0) & trained
+        negative = ~positive & trained
+        sums += torch.stack([response_logp[positive].sum(), positive.sum(),
+                             response_logp[negative].sum(), negative.sum()])
     return sums.tolist()
 
 

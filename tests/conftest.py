@@ -32,6 +32,15 @@ SLOW_TESTS = {
     "test_key_items_follow_the_window", "test_gradients_are_bitwise_reproducible",
     "test_tensor_parallel_matches_one_rank", "test_expert_parallel_packed_equals_replicated",
     "test_planned_micro_batches_reproduce_the_whole_batch", "test_importing_the_package_maps_nothing",
+    "test_a_module_that_imports_megatron_is_caught", "test_modules_without_megatron_import_none_of_it",
+}
+# On a GPU, also the model tests that compile the most kernels and torch.compile graphs (FlexAttention
+# for Gemma's replicated windows, Gemma's and the tree kernels' variants): each over 10 s on the H200
+# (PERF_NOTES.md, run DU), under a second on a CPU.
+SLOW_ON_GPU_TESTS = {
+    "test_gemma.py::test_packed_equals_replicated", "test_convert_checkpoint.py::test_loaded_model_matches_hugging_face",
+    "test_rl_trees.py::test_losses_and_gradients_on_trees_are_those_of_each_trajectory_alone",
+    "test_interop.py::test_the_verl_style_actor_of_the_docs_learns_the_advantages",
 }
 
 # Modules of the kernels, layouts and packing, which use no Megatron-Core, marked `without_megatron`:
@@ -45,8 +54,10 @@ WITHOUT_MEGATRON_MODULES = {
 
 
 def pytest_collection_modifyitems(items):
+    slow_on_gpu = SLOW_ON_GPU_TESTS if torch.cuda.is_available() else set()
     for item in items:
-        if item.path.name in SLOW_MODULES or getattr(item, "originalname", item.name) in SLOW_TESTS:
+        name = getattr(item, "originalname", item.name)
+        if item.path.name in SLOW_MODULES or name in SLOW_TESTS or f"{item.path.name}::{name}" in slow_on_gpu:
             item.add_marker(pytest.mark.slow)
         if item.path.name in WITHOUT_MEGATRON_MODULES:
             item.add_marker(pytest.mark.without_megatron)

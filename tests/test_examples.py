@@ -354,6 +354,15 @@ def test_bench_update_replaces_only_the_rows_of_the_models_measured(bench, tmp_p
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--tiny", "--update", str(tmp_path / "missing.csv")])
     assert "--update: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--tiny", "--memory-margin", "1.5"])
+    assert "--memory-margin must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_bench_profile_counts_overlapping_kernels_once(bench):
+    """--profile's GPU busy time: the union of the kernels' spans (microseconds), not their sum."""
+    assert bench.busy_seconds([]) == 0.0
+    assert bench.busy_seconds([(10, 20), (0, 5), (15, 30), (40, 41), (16, 18)]) == pytest.approx((5 + 20 + 1) / 1e6)
 
 
 def test_bench_ops_times_the_same_math_in_each_method():
@@ -407,11 +416,13 @@ def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monk
     monkeypatch.setattr(bench.subprocess, "run", run)
     plotted = []
     monkeypatch.setattr(bench, "plot", lambda results, path, baseline: plotted.append(path))  # needs matplotlib
-    bench.main(["--device", "cpu", "--tiny", "--repeats", "2", "--models", "moe,dense", "--out", str(tmp_path)])
+    bench.main(["--device", "cpu", "--tiny", "--repeats", "2", "--models", "moe,dense", "--out", str(tmp_path),
+                "--memory-margin", "0.05"])
     assert plotted == [tmp_path / "policy_update.png"]
     assert [cmd[1] for cmd in runs] == [bench.__file__] * 2
     assert [cmd[cmd.index("--models") + 1] for cmd in runs] == ["moe", "dense"]
     assert all({"--tiny", "--device", "cpu", "--repeats", "2"} <= set(cmd) for cmd in runs)
+    assert all(cmd[cmd.index("--memory-margin") + 1] == "0.05" for cmd in runs)
     assert [r.model for r in bench.read_results(tmp_path / "policy_update.csv")] == ["moe", "moe", "dense", "dense"]
 
 
@@ -502,7 +513,7 @@ def test_rl_loop_metrics_match_an_independent_forward_of_its_models(rl_loop, wei
             batch = pack_groups([group])
             (out,) = forward_backward(policy, [RLMicroBatch(batch)], layout="replicated", with_entropy=True)
             (ref,) = forward_logprobs(reference, batch, layout="replicated")
-            per_group.append([(lp, ent, rf, ro) for lp, ent, rf, ro in zip(out.logprobs[0], out.entropy[0], ref, rollout)])
+            per_group.append([(lp, ent, rf, ro.to(lp.device)) for lp, ent, rf, ro in zip(out.logprobs[0], out.entropy[0], ref, rollout)])
     tokens = lambda groups, f: torch.cat([f(*r) for g in groups for r in per_group[g]])  # noqa: E731
     k3 = lambda lp, ent, rf, ro: torch.exp(rf - lp) - (rf - lp) - 1  # noqa: E731
     records = [json.loads(line) for line in (rl_loop["folder"] / "run.jsonl").read_text().splitlines()]
@@ -569,7 +580,8 @@ def test_update_ratios_are_those_of_the_model_after_the_earlier_updates(script, 
 
 def test_rollout_logprobs_replace_the_behaviour_pass(script, policy_args, monkeypatch):
     """Without --tis-cap the rollouts' log-probs are the behaviour log-probs: no forward-only pass,
-    and update 1's ratio is exp(current - rollout); with it, the pass runs and they only weigh."""
+    and update 1's ratio is exp(current - rollout); with it they only weigh, the behaviour log-probs
+    being the update's own in one update a step (no pass) and the pass's with two mini-batches."""
     policy = script.build_policy(policy_args)
     groups = make_groups([(6, [3, 5]), (4, [2, 2, 4])])
     rollout = [[torch.full((len(r),), -5.0) for r in g.responses] for g in groups]
@@ -585,7 +597,41 @@ def test_rollout_logprobs_replace_the_behaviour_pass(script, policy_args, monkey
     assert stats.entropy is not None  # from the update itself
     tis = dataclasses.replace(script.LOSSES["grpo"], tis_cap=2.0)
     stats = script.policy_update_step(policy, groups, tis, 64, "packed", rollout_logprobs=rollout)
+    assert passes == [] and stats.rollout_mismatch > 0 and stats.updates[0].ratio == 1.0
+    stats = script.policy_update_step(policy, groups, tis, 64, "packed", script.PPOSchedule(2, 1), rollout_logprobs=rollout)
     assert passes == [1] and stats.rollout_mismatch > 0 and stats.updates[0].ratio == pytest.approx(1.0, abs=1e-6)
+
+
+def test_one_update_a_step_takes_its_own_log_probs_as_the_behaviour_ones(script, policy_args, monkeypatch):
+    """One update a step runs no forward-only pass: its old log-probs are its own, detached. It moves
+    the policy as the same update does with a behaviour pass run by hand (a second policy of the same
+    seed), with the same loss, margin and entropy (--tis-cap: the rollouts' log-probs only weigh),
+    and counts 3 forward passes of FLOPs instead of 4."""
+    groups = make_groups([(6, [3, 5]), (4, [2, 2, 4]), (9, [1, 6])])
+    groups = [RolloutGroup(g.prompt, g.responses, [float(i % 2) for i in range(len(g.responses))]) for g in groups]
+    rollout = [[torch.full((len(r),), -5.0) for r in g.responses] for g in groups]
+    passes = []
+    forward_only = script.forward_only
+    monkeypatch.setattr(script, "forward_only", lambda *a, **k: passes.append(1) or forward_only(*a, **k))
+    tis = dataclasses.replace(script.LOSSES["grpo"], tis_cap=2.0)
+    own, given = script.build_policy(policy_args), script.build_policy(policy_args)
+    stats = script.policy_update_step(own, groups, tis, 64, "packed", rollout_logprobs=rollout)
+    assert passes == []
+    minis = script.plan_mini_batches(groups, 1, 64, tis.advantages(script.group_rewards(groups)),
+                                     pad_to_multiple_of=given.token_multiple)
+    (behaviour,) = forward_only(given.model, minis, "packed", with_entropy=True)
+    (mini,) = minis
+    mini = mini.with_logprobs(old=[out.logprobs for out in behaviour], rollout=mini.share(rollout))
+    (update,) = script.ppo_updates(given.model, given.optimizer, [mini], tis)
+    for (name, a), b in zip(own.model.module.named_parameters(), given.model.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+    loss = sum(out.loss for out in update.outputs).item() / len(update.outputs)
+    assert stats.loss == pytest.approx(loss, rel=1e-5) and stats.updates[0].ratio == 1.0
+    pos, n_pos, neg, n_neg = script._margin_sums([(mb, out.logprobs) for mb, out in zip(mini.micro_batches, behaviour)])
+    assert stats.margin == pytest.approx(pos / n_pos - neg / n_neg, rel=1e-5)
+    entropy = script._token_means(script._metric_sums(zip(mini.micro_batches, behaviour)))["entropy"]
+    assert stats.entropy == pytest.approx(entropy, rel=1e-5)
+    assert stats.flops == pytest.approx(3 * script._forward_flops(own.cost, minis, "packed"))
 
 
 AGENT_EPISODES = ROOT / "examples" / "data" / "agent_episodes.jsonl"

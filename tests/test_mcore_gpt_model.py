@@ -76,3 +76,27 @@ def test_fused_rope_is_refused(model):
     config.apply_rope_fusion = True
     with pytest.raises(ValueError, match="apply_rope_fusion=False"):
         DualKVGPTModel(config, dualkv_local_block_spec(config), **family.gpt_model_kwargs(card))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_packed_step_reads_nothing_back_per_segment(recompute, monkeypatch):
+    """Megatron's thd RoPE reads each cu_seqlens segment's offset back from the device: a host sync
+    per segment, layer and pass, which leaves the GPU idle. A packed forward and backward read as
+    many values with 3 segments as with 12."""
+    from megatron_dualkv.rl import GRPOLoss, forward_backward
+    from rollouts import rl_micro_batches
+
+    model = build_model("qwen3-tiny", recompute=recompute)
+    reads = []
+    for name in ("item", "tolist"):
+        read = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _read=read, **k: reads.append(1) or _read(self, *a, **k))
+
+    def reads_of(shapes):
+        (batch,) = rl_micro_batches(model, [shapes])
+        reads.clear()
+        forward_backward(model, [batch], GRPOLoss(), layout="packed", with_entropy=True)
+        return len(reads)
+
+    few, many = reads_of([(5, [3, 1])]), reads_of([(5, [3, 1, 4, 2, 2]), (3, [1, 2, 2]), (2, [4])])
+    assert few == many

@@ -133,6 +133,22 @@ def test_fused_rms_norm_matches_torch_on_cuda():
         results.append((out, *torch.autograd.grad(out, (inp, norm.weight), dout.to(inp.dtype))))
     for name, a, b in zip(("out", "dx", "dweight"), *results):
         torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=name)
+    # forward-only passes and selective recompute's forwards run without autograd: fused there too
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x).double(), results[1][0], rtol=2e-2, atol=2e-2 * results[1][0].abs().max().item())
+        assert cuda_kernels(lambda: fused(x)) < cuda_kernels(lambda: torch.nn.RMSNorm.forward(fused, x))
+
+
+def cuda_kernels(run) -> int:
+    """CUDA kernels one call of ``run`` launches (after a first call: compiling launches its own)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def test_attention_refuses_megatrons_context_parallelism():

@@ -55,6 +55,12 @@ def test_share_and_with_logprobs_follow_the_plan():
     assert all(mb.rollout_logprobs is share and mb.old_logprobs is None for mb, share in zip(with_rollout.micro_batches, shares))
     with pytest.raises(ValueError, match="old_logprobs: 1 entries for"):
         mini.with_logprobs(old=shares[:1])
+    on_policy = mini.with_logprobs(rollout=shares, on_policy=True)
+    assert all(mb.on_policy and mb.old_logprobs is None and mb.rollout_logprobs is share
+               for mb, share in zip(on_policy.micro_batches, shares))
+    assert not any(mb.on_policy for mb in with_rollout.micro_batches)
+    with pytest.raises(ValueError, match="with_logprobs: on_policy takes the update's own log-probs as the old ones"):
+        mini.with_logprobs(old=shares, on_policy=True)
 
 
 @pytest.mark.parametrize(

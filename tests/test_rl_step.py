@@ -115,10 +115,30 @@ def test_rollout_logprobs_reach_the_loss(model):
     model.zero_grad(set_to_none=True)
 
 
+def test_on_policy_takes_the_current_logprobs_as_the_old_ones(model):
+    """RLMicroBatch.on_policy: the loss, metrics and gradients of the same micro-batch given the
+    current log-probs (a separate forward) as its old ones, with a ratio of exactly 1."""
+    mb = rl_micro_batches(model, SHAPES)[0]
+    loss_fn = GRPOLoss(clip_eps=0.2, kl_coef=0.05)
+    with torch.no_grad():
+        current = forward_logprobs(model, mb.batch)
+    (own,), own_grads = run(model, [RLMicroBatch(mb.batch, ref_logprobs=mb.ref_logprobs, on_policy=True)], loss_fn, "packed")
+    (given,), given_grads = run(model, [RLMicroBatch(mb.batch, current, mb.ref_logprobs)], loss_fn, "packed")
+    torch.testing.assert_close(own.loss, given.loss, rtol=1e-6, atol=1e-7)
+    assert torch.cat(own.metrics["ratio_mean"]).eq(1).all()
+    for name in given.metrics:
+        torch.testing.assert_close(torch.cat(own.metrics[name]), torch.cat(given.metrics[name]), rtol=1e-5, atol=1e-6)
+    for name, grad in given_grads.items():
+        torch.testing.assert_close(own_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(g.abs().max() > 0 for g in own_grads.values())
+
+
 def test_bad_input(model):
     mb = rl_micro_batches(model, SHAPES)[0]
     with pytest.raises(ValueError, match="needs the micro-batch's old_logprobs"):
         forward_backward(model, [RLMicroBatch(mb.batch)], GRPOLoss())
+    with pytest.raises(ValueError, match="an on_policy micro-batch takes the current log-probs as its old ones"):
+        forward_backward(model, [RLMicroBatch(mb.batch, mb.old_logprobs, on_policy=True)], GRPOLoss())
     other = rl_micro_batches(model, SHAPES)[1]
     with pytest.raises(ValueError, match="old_logprobs: group 0 has 1 responses, the batch has 3"):
         forward_backward(model, [RLMicroBatch(mb.batch, other.old_logprobs)], GRPOLoss())

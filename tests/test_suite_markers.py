@@ -1,10 +1,11 @@
-"""The suite's own markers: the modules marked ``without_megatron`` (tests/conftest.py), which .ci/run's
-pass with another Megatron-Core leaves out, import no Megatron-Core, directly or through the package."""
+"""The suite's own markers (tests/conftest.py): the modules marked ``without_megatron``, which .ci/run's
+pass with another Megatron-Core leaves out, import no Megatron-Core, directly or through the package;
+the lists of slow tests name tests that exist."""
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import WITHOUT_MEGATRON_MODULES
+from conftest import SLOW_MODULES, SLOW_ON_GPU_TESTS, SLOW_TESTS, WITHOUT_MEGATRON_MODULES
 
 TESTS = Path(__file__).resolve().parent
 
@@ -25,3 +26,12 @@ def test_a_module_that_imports_megatron_is_caught():
             "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.'))[:1])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
     assert result.stdout.strip().splitlines()[-1] == "['megatron']", result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_the_slow_lists_name_tests_that_exist():
+    sources = {path.name: path.read_text() for path in TESTS.glob("test_*.py")}
+    assert SLOW_MODULES <= sources.keys()
+    assert all(any(f"def {name}(" in text for text in sources.values()) for name in SLOW_TESTS)
+    for entry in SLOW_ON_GPU_TESTS:
+        module, name = entry.split("::")
+        assert f"def {name}(" in sources.get(module, ""), entry

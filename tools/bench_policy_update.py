@@ -11,13 +11,13 @@ layers (``--moe-layers``), full vocabulary, bf16 parameters with Megatron's fp32
 Adam. Workloads: one group of N responses of R tokens sharing a P-token prompt per step,
 (N, P, R) = (16, 8192, 1024) and (32, 8192, 512).
 
-The step is the launch script's (``examples/grpo_policy_update.py``: behaviour log-probs with a
-forward-only run of Megatron's schedule, then forward/backward with the GRPO loss and Megatron's
-optimizer step), on the packed layout with DualKV attention, and on the replicated layout (every
+The step is the launch script's (``examples/grpo_policy_update.py``: one update, whose own forward
+gives the behaviour log-probs, so forward/backward with the GRPO loss and Megatron's optimizer step;
+until v0.2.0 a forward-only pass computed them first), on the packed layout with DualKV attention, and on the replicated layout (every
 response after its own prompt copy) whose core attention is PyTorch SDPA restricted to the cuDNN
 backend. For each model, workload and layout: the largest micro-batch that fits (responses per
 micro-batch, halving from N until a step runs without running out of memory), then at that size
-the median step time over ``--repeats`` steps, rollout tokens per second, model TFLOP/s (4x the
+the median step time over ``--repeats`` steps, rollout tokens per second, model TFLOP/s (3x the
 forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU against the bf16 matmul rate
 measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG. Each
 model is measured in a process of its own (``measure_alone``).
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tools")]
 import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
-from megatron_dualkv.memory import GIB, MemoryModel, device_budget  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
@@ -64,6 +64,8 @@ FULL_DEPTH = {
     "qwen3-4b": [(16, 8192, 1024), (32, 8192, 512), (8, 32768, 1024)],
     "gemma3-4b": [(16, 8192, 1024), (32, 8192, 512)],
 }
+# The step's forward-pass equivalents: forward and backward of its one update (no behaviour pass).
+STEP_PASSES = 3
 TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)]}
 # --agent: (prompt, trajectory pairs, turns, model tokens, tool tokens) of issue #31's workload (a)
 AGENT = (4096, 4, 4, 512, 512)
@@ -181,6 +183,7 @@ def measured(result: Result, k: int, steps, peak_tflops: float) -> Result:
 def profile_step(card, workload, args, setting: Optional["Setting"] = None) -> None:
     """Kernel-time table of one packed step (after two warm-up steps), printed and written to the out
     folder; at ``setting`` (the micro-batch and recompute), else the whole group without recompute."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     n, p, r = workload
@@ -192,15 +195,34 @@ def profile_step(card, workload, args, setting: Optional["Setting"] = None) -> N
     def step():
         return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], p + responses * r, "packed")
 
-    step(), step()
+    print("warm-up steps: " + ", ".join(f"{step().seconds:.4g} s" for _ in range(2)), flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        print(f"profiled step: {step().seconds:.4g} s", flush=True)
+    with profile(activities=activities, record_shapes=True) as prof:
+        seconds = step().seconds
+    print(f"profiled step: {seconds:.4g} s", flush=True)
+    device = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if device:
+        busy = busy_seconds(device)
+        print(f"GPU busy (kernels, copies): {busy:.4g} s of the step's {seconds:.4g} s ({100 * busy / seconds:.1f}%)", flush=True)
     sort_by = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
-    print(table, flush=True)
+    kernels = prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70)
+    print(kernels, flush=True)
+    # The matmuls by shape say which projection runs below the device's peak.
+    shapes = prof.key_averages(group_by_input_shape=True).table(
+        sort_by=sort_by, row_limit=60, max_name_column_width=40, max_shapes_column_width=90)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"profile_{Path(card).stem}.txt").write_text(table)
+    (args.out / f"profile_{Path(card).stem}.txt").write_text(kernels + "\n" + shapes)
+
+
+def busy_seconds(spans) -> float:
+    """Seconds covered by at least one of the ``(start, end)`` spans (microseconds, as the profiler
+    records them): where the device ran something, however many streams."""
+    busy, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reached:
+            busy += end - max(start, reached)
+            reached = end
+    return busy / 1e6
 
 
 def policy_args(card: Path, args, recompute: str = "none", recompute_layers: int = 0):
@@ -234,7 +256,7 @@ class Setting:
     recompute: str
     recompute_layers: int
     predicted_gib: float
-    useful_flops: float  # the layout's 4x forward FLOPs without recompute
+    useful_flops: float  # the step's forward passes (STEP_PASSES) of the layout, without recompute
     recompute_flops: float  # what recompute adds
 
     @property
@@ -270,7 +292,7 @@ def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, work
         prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
         settings.append(Setting(
             k, fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
-            useful_flops=sum(4 * cost.layout_flops(mb, predicting_rows=r * len(mb.segment_lens)) for mb in mbs),
+            useful_flops=sum(STEP_PASSES * cost.layout_flops(mb, predicting_rows=r * len(mb.segment_lens)) for mb in mbs),
             recompute_flops=sum(recomputed * cost.layer_flops(mb, layers) for mb in mbs),
         ))
         k //= 2
@@ -296,7 +318,7 @@ class PolicyCache:
 def planning_models(card: str, args):
     """(memory model, cost model, memory budget) of a full-depth card on this device."""
     memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype])
-    budget = device_budget() if args.device == "cuda" else CPU_BUDGET_GIB * GIB
+    budget = device_budget(margin=args.memory_margin) if args.device == "cuda" else CPU_BUDGET_GIB * GIB
     return memory, CostModel.from_config(memory.config, memory.vocab_size), budget
 
 
@@ -382,7 +404,7 @@ def agent_settings(memory: MemoryModel, cost: CostModel, budget: float, trajecto
         prediction = memory.peak(tokens, rows, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
         settings.append((max_tokens, tokens, Setting(
             max(len(mb.trajectories) for mb in mbs), fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
-            useful_flops=sum(4 * cost.layout_flops(x, predicting_rows=r) for x, r in parts),
+            useful_flops=sum(STEP_PASSES * cost.layout_flops(x, predicting_rows=r) for x, r in parts),
             recompute_flops=sum(recomputed * cost.layer_flops(x, layers) for x, _ in parts),
         )))
         max_tokens //= 2
@@ -486,7 +508,8 @@ def plot(results: List[Result], path: Path, baseline: str) -> None:
 def model_flags(args, name: str, out: Path) -> List[str]:
     """The flags of this run for model ``name`` alone, writing into ``out``."""
     flags = ["--device", args.device, "--dense-layers", str(args.dense_layers), "--moe-layers", str(args.moe_layers),
-             "--repeats", str(args.repeats), "--models", name, "--out", str(out)]
+             "--repeats", str(args.repeats), "--models", name, "--out", str(out),
+             "--memory-margin", str(args.memory_margin)]
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
         "--agent"] * args.agent + ["--verbose"] * args.verbose
@@ -521,6 +544,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one packed step of each model at the first workload (kernel time table)")
+    parser.add_argument("--memory-margin", type=float, default=DEFAULT_MARGIN,
+                        help="--full-depth: the share of GPU memory the settings leave free (as the launch script's flag)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--update", type=Path, metavar="CSV",
                         help="instead of writing into --out: replace the measured models' rows of this table")
@@ -532,6 +557,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--update: {args.update} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
+    if not 0 <= args.memory_margin < 1:
+        parser.error(f"--memory-margin must be in [0, 1), got {args.memory_margin}")
     if args.agent and (not args.full_depth or args.profile):
         parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
     if len(model_names) > 1:

@@ -8,10 +8,13 @@ gradient of the (replicated) norm weights summed over the tensor-parallel group,
 only sees its own tokens: Megatron's ``finalize_model_grads`` does that for every parameter marked
 ``sequence_parallel`` (as its Transformer Engine and apex norms mark theirs).
 
-torch fuses RMSNorm's forward but runs its backward as separate elementwise kernels (pow, mean,
-mul, ...): on the H200, 17 norms of a 4-layer Qwen3-8B step cost more than the forward attention.
-``FusedRMSNorm`` compiles it (``torch.compile``, as Megatron's own ``jit_fuser``) on CUDA, giving
-one kernel per direction; elsewhere it is torch's RMSNorm. Its output can be recomputed instead of
+torch runs RMSNorm as separate elementwise kernels (an upcast, pow, mean, rsqrt, mul, ...) both
+ways, with or without autograd: on the H200, 17 norms of a 4-layer Qwen3-8B step cost more than
+the forward attention, and a Qwen3-4B q norm (24,576 tokens x 32 heads x 128) takes 1.8 ms
+forward where one pass over its bytes takes 0.12 (PERF_NOTES.md, run DU). ``FusedRMSNorm``
+compiles it (``torch.compile``, as Megatron's own ``jit_fuser``) on CUDA, giving one kernel per
+direction, also in forward-only passes and in the forwards that selective recompute runs without
+autograd; elsewhere it is torch's RMSNorm. Its output can be recomputed instead of
 kept (``RecomputableOutput``: the selective recompute of ``mcore.recompute``).
 """
 from __future__ import annotations
@@ -37,8 +40,7 @@ class FusedRMSNorm(RecomputableOutput, torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with one fused kernel per direction on CUDA (the same math)."""
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        # without autograd torch's own forward is already one kernel (and no compiled variant per grad mode)
-        if x.is_cuda and torch.is_grad_enabled() and self.weight is not None and self.eps is not None:
+        if x.is_cuda and self.weight is not None and self.eps is not None:
             return _rms_norm(x, self.weight, self.eps)
         return torch.nn.RMSNorm.forward(self, x)
 

@@ -37,6 +37,10 @@ from torch import Tensor
 from .recompute import RecomputableQueryKey, Release, checkpoint_without_output
 
 
+# Configurations whose Megatron forward rotates q and k other than after the split and norms.
+UNSPLIT_ROPE_FIELDS = ("fused_single_qkv_rope", "attention_output_gate")
+
+
 @dataclass
 class _QueryKeyRope:
     """One forward's RoPE, from ``forward`` to ``get_query_key_value_tensors``: (q's, k's) frequencies
@@ -61,12 +65,12 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
     def check_recomputable_query_key(self) -> None:
         """ValueError naming ``recompute_qk_norm_rope`` where Megatron's forward would not split and
         rotate q and k the way it is recomputed."""
-        for name in ("fused_single_qkv_rope", "attention_output_gate"):
+        for name in UNSPLIT_ROPE_FIELDS:
             if getattr(self.config, name, False):
                 raise ValueError(f"recompute_qk_norm_rope: the attention runs without {name}")
 
     def forward(self, hidden_states: Tensor, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
-        if not self._rotates_query_key(kwargs):
+        if not self._rotates_query_key(kwargs, packed_seq_params):
             return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
                                    packed_seq_params=packed_seq_params, **kwargs)
         self._rope = _QueryKeyRope(self._rope_freqs(rotary_pos_emb), _rope_cu_seqlens(packed_seq_params))
@@ -79,11 +83,19 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
             release(output)
         return output, bias
 
-    def _rotates_query_key(self, forward_kwargs) -> bool:
-        """Whether this forward norms and rotates q and k here: in training (an inference context
-        adjusts RoPE to its cache, which only Megatron's forward does)."""
+    def _rotates_query_key(self, forward_kwargs, packed_seq_params) -> bool:
+        """Whether this forward norms and rotates q and k here: where they are recomputed (in
+        training), and on the packed thd layout, whose per-token RoPE Megatron's forward applies
+        segment by segment, reading each segment's offset back from the GPU (a host sync per
+        segment, per layer and pass). Not with an inference context, which adjusts RoPE to its cache
+        (only Megatron's forward does), nor where Megatron's forward rotates q and k its own way."""
         inference = any(forward_kwargs.get(name) is not None for name in ("inference_context", "inference_params"))
-        return self.recompute_qk_norm_rope and torch.is_grad_enabled() and not inference
+        if inference or any(getattr(self.config, name, False) for name in UNSPLIT_ROPE_FIELDS):
+            return False
+        return self._recomputes_query_key() or _rope_cu_seqlens(packed_seq_params)[0] is not None
+
+    def _recomputes_query_key(self) -> bool:
+        return self.recompute_qk_norm_rope and torch.is_grad_enabled()
 
     def _rope_freqs(self, rotary_pos_emb) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """(q's, k's) frequencies, as Megatron's forward takes them from its argument."""
@@ -123,11 +135,15 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         return key if self.k_layernorm is None else self.k_layernorm(key)
 
     def _for_attention(self, normed: Callable[[Tensor], Tensor], norm, freqs, cu_seqlens, x: Tensor) -> Tensor:
-        """``normed(x)`` rotated, recomputed instead of kept (a plain call where neither a norm nor
-        RoPE computes anything: no new tensor to free)."""
+        """``normed(x)`` rotated; recomputed instead of kept where the layer recomputes it (a plain
+        call where neither a norm nor RoPE computes anything: no new tensor to free)."""
         if freqs is None and (norm is None or isinstance(norm, IdentityOp)):
             return normed(x)
-        output, release = checkpoint_without_output(partial(self._rotated, normed, freqs, cu_seqlens), x)
+        rotated = partial(self._rotated, normed, freqs, cu_seqlens)
+        if not self._recomputes_query_key():
+            output = rotated(x)
+            return output if cu_seqlens is None else output.unsqueeze(1)
+        output, release = checkpoint_without_output(rotated, x)
         self._rope.releases.append(release)
         # thd: the batch dimension back, for Megatron's forward to squeeze
         return output if cu_seqlens is None else output.unsqueeze(1)
@@ -139,10 +155,14 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
             x = x.squeeze(1)
         if freqs is None:
             return x
-        return apply_rotary_pos_emb(
-            x, freqs, config=self.config, cu_seqlens=cu_seqlens,
-            mscale=_yarn_get_concentration_factor_from_config(self.config), cp_group=self.pg_collection.cp,
-        )
+        rope = partial(apply_rotary_pos_emb, config=self.config, mscale=_yarn_get_concentration_factor_from_config(self.config),
+                       cp_group=self.pg_collection.cp)
+        if cu_seqlens is not None and freqs.size(0) == x.size(0) and self.pg_collection.cp.size() == 1:
+            # One frequency row per packed token (DualKVGPTModel): Megatron's thd path would gather
+            # these same rows segment by segment, with a host sync per segment; the [s, b, ...]
+            # path applies them at once, bitwise the same.
+            return rope(x.unsqueeze(1), freqs).squeeze(1)
+        return rope(x, freqs, cu_seqlens=cu_seqlens)
 
 
 def _rope_cu_seqlens(packed_seq_params) -> Tuple[Optional[Tensor], Optional[Tensor]]:

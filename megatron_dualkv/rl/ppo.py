@@ -16,7 +16,9 @@ number of mini-batches, and ``ppo_epochs``; its Megatron actor's ``make_minibatc
 2. ``forward_only(model, mini_batches)``: the behaviour log-probs, once per rollout batch and
    before the first update (so that later updates have ratios != 1), in one forward-only run of
    Megatron's schedule over every mini-batch's micro-batches; a frozen reference policy's the
-   same way. The inference engine's log-probs may stand in for the behaviour ones (verl's
+   same way. With one update (M = E = 1) the behaviour policy is the one being updated:
+   ``with_logprobs(on_policy=True)`` takes its log-probs from the update's own forward, detached,
+   and no forward-only pass runs for them (a quarter of the step's FLOPs). The inference engine's log-probs may stand in for the behaviour ones (verl's
    rollout-correction "bypass mode": no forward pass), or go beside them for truncated
    importance sampling (``GRPOLoss(tis_cap=...)``, ``MiniBatch.with_logprobs(rollout=...)``).
 3. ``ppo_updates(model, optimizer, mini_batches, loss_fn, epochs)``: ``E x M`` updates, each
@@ -72,17 +74,21 @@ class MiniBatch:
                 for g, responses in zip(planned.source_groups, planned.source_responses)]
 
     def with_logprobs(self, old: Optional[Sequence[Nested]] = None, ref: Optional[Sequence[Nested]] = None,
-                      rollout: Optional[Sequence[Optional[Nested]]] = None) -> "MiniBatch":
+                      rollout: Optional[Sequence[Optional[Nested]]] = None, on_policy: bool = False) -> "MiniBatch":
         """The mini-batch with behaviour (``old``), reference and rollout log-probs on its real
         micro-batches: one entry per micro-batch of this rank, as ``forward_only`` (its outputs'
-        ``logprobs``) or ``share`` give them; None leaves that kind as it was."""
+        ``logprobs``) or ``share`` give them; None leaves that kind as it was. ``on_policy``: no
+        ``old``, the update's own log-probs stand in for them (``RLMicroBatch.on_policy``)."""
+        if on_policy and old is not None:
+            raise ValueError("with_logprobs: on_policy takes the update's own log-probs as the old ones; give no old")
         given = {name: values for name, values in
                  (("old_logprobs", old), ("ref_logprobs", ref), ("rollout_logprobs", rollout)) if values is not None}
         for name, values in given.items():
             if len(values) != len(self.micro_batches):
                 raise ValueError(f"{name}: {len(values)} entries for {len(self.micro_batches)} micro-batches")
+        extra = {"on_policy": True} if on_policy else {}
         micro_batches = tuple(
-            mb if mb.is_padding else replace(mb, **{name: values[i] for name, values in given.items()})
+            mb if mb.is_padding else replace(mb, **{name: values[i] for name, values in given.items()}, **extra)
             for i, mb in enumerate(self.micro_batches)
         )
         return replace(self, micro_batches=micro_batches)

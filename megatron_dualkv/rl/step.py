@@ -45,6 +45,9 @@ class RLMicroBatch:
     default the loss derives them from the batch's rewards, per group. is_padding: a padding
     micro-batch of a plan (``PlannedMicroBatch.is_padding``, run so that every rank runs as many
     micro-batches): its loss is exactly 0, with no gradient, and needs none of the above.
+    on_policy: the loss's old log-probs are the current ones, detached (then ``old_logprobs`` is
+    None): the one update of a rollout batch by the policy that would have computed them, whose
+    ratio is 1 (verl's actor does the same when ``on_policy``), with no forward pass for them.
     """
 
     batch: Union[PackedBatch, TrajectoryBatch]
@@ -53,6 +56,7 @@ class RLMicroBatch:
     advantages: Optional[Tensor] = None
     rollout_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
     is_padding: bool = False
+    on_policy: bool = False
 
 
 @dataclass
@@ -244,8 +248,11 @@ def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_en
     if micro_batch.is_padding:  # in the graph, so that the schedule's backward runs as for any micro-batch
         output.loss = logprobs.new_zeros(())
         return logprobs.sum() * 0.0, output
-    if micro_batch.old_logprobs is None:
-        raise ValueError("a policy loss needs the micro-batch's old_logprobs (forward_logprobs of the behaviour policy)")
+    if micro_batch.on_policy and micro_batch.old_logprobs is not None:
+        raise ValueError("an on_policy micro-batch takes the current log-probs as its old ones: give it no old_logprobs")
+    if not micro_batch.on_policy and micro_batch.old_logprobs is None:
+        raise ValueError("a policy loss needs the micro-batch's old_logprobs (forward_logprobs of the behaviour "
+                         "policy), or on_policy=True")
     advantages = micro_batch.advantages
     if advantages is None:
         advantages = loss_fn.advantages(tokens.group_rewards(micro_batch.batch))
@@ -254,7 +261,7 @@ def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_en
     extra = {} if rollout is None else {"rollout_logprobs": tokens.flatten(rollout, "rollout_logprobs")}
     result = loss_fn(
         logprobs,
-        tokens.flatten(micro_batch.old_logprobs, "old_logprobs"),
+        logprobs.detach() if micro_batch.on_policy else tokens.flatten(micro_batch.old_logprobs, "old_logprobs"),
         advantages,
         tokens,
         None if ref is None else tokens.flatten(ref, "ref_logprobs"),
