@@ -11,8 +11,8 @@ never by patching Megatron.
   package is installed; MoE layers as ``GatheredPermutationMoELayer``);
   runs on CPU and GPU. Its torch norms are ``SequenceParallelTorchNorm`` (``mcore.norms``), so it
   also runs under sequence parallelism. Its layers are ``DualKVTransformerLayer``s, which run the
-  selective recompute of ``mcore.recompute``, with ``DualKVSelfAttention`` (Megatron's own path
-  unless ``recompute_qk_norm_rope``) and, with ``recompute_activations``, ``DualKVMLP``.
+  selective recompute of ``mcore.recompute``, with ``DualKVSelfAttention`` (its own q/k norms and
+  RoPE, fused where it can) and, with ``recompute_activations``, ``DualKVMLP``.
 * ``dualkv_te_block_spec``: Transformer Engine linears and norms (LayerNorm fused into the QKV
   and FC1 linears, TEGroupedMLP experts); only when transformer_engine imports. Megatron's own
   layers: our selective recompute does not apply (TE's is Megatron's ``recompute_modules``).

@@ -1,24 +1,34 @@
-"""``DualKVSelfAttention``: Megatron's ``SelfAttention`` whose q/k norms and RoPE can be recomputed
-instead of kept (``recompute_qk_norm_rope``, ``mcore.recompute``): the local spec's self-attention,
-and the base of ``GemmaSelfAttention``.
+"""``DualKVSelfAttention``: Megatron's ``SelfAttention`` that norms and rotates q and k itself,
+in one fused function where it can, and can recompute them instead of keeping them
+(``recompute_qk_norm_rope``, ``mcore.recompute``): the local spec's self-attention, and the base of
+``GemmaSelfAttention``.
 
 Megatron's ``SelfAttention.forward`` norms q and k in ``get_query_key_value_tensors``, rotates them
-(RoPE) and hands them to the core attention. Autograd then keeps, per token: the q norm's input (a
-copy: the query reshape ``[sq, b, ng, np/ng*hn] -> [sq, b, np, hn]`` cannot be a view of
-linear_qkv's output), RoPE's cos/sin, the norms' statistics, and the rotated q and k that the
-attention kernel saves. Here q and k are each one function of their view of linear_qkv's output
-(reshape, norm, RoPE), run through ``checkpoint_without_output``; the output of linear_qkv stays
-alive anyway (v is a view of it), so that is all they save. The rotated q and k are released once
-the sublayer's forward has returned and recomputed when the gradient of its output arrives, before
-the attention's backward reads them. Megatron's forward gets ``rotary_pos_emb=None``: it must not
-rotate them a second time.
+(RoPE) and hands them to the core attention. Here q and k are each one function of their view of
+linear_qkv's output (reshape, norm, RoPE), in training and forward-only passes on either layout;
+Megatron's forward gets ``rotary_pos_emb=None``, so that it does not rotate them a second time.
+Why:
+- Megatron's RoPE on the packed thd layout splits the tokens by ``cu_seqlens`` and reads each
+  segment's offset back from the GPU: a host sync per segment, for q and k, in every layer and pass.
+  ``DualKVGPTModel`` hands RoPE one frequency row per token, so the rotation here applies them all
+  at once through Megatron's ``[s, b, ...]`` path: the same rows, the same bits, no sync.
+- Where the norm is torch's RMSNorm (``FusedRMSNorm``: Qwen3) and the rotation the plain one over
+  the whole head, ``rms_norm_rope`` does both, compiled on CUDA into one kernel per direction. On
+  the CPU it runs the same ops as torch's norm and Megatron's rotation, in order: the same bits.
+- With ``recompute_qk_norm_rope`` the function runs through ``checkpoint_without_output``. Autograd
+  would keep, per token: the q norm's input (a copy: the query reshape ``[sq, b, ng, np/ng*hn] ->
+  [sq, b, np, hn]`` cannot be a view of linear_qkv's output), RoPE's cos/sin, the norms' statistics,
+  and the rotated q and k that the attention kernel saves. The output of linear_qkv stays alive
+  anyway (v is a view of it), so that is all the function saves. The rotated q and k are released
+  once the sublayer's forward has returned, and recomputed when the gradient of its output arrives,
+  before the attention's backward reads them.
 
-The rotation is Megatron's ``apply_rotary_pos_emb`` with the arguments its forward passes in
-megatron-core 0.16 and 0.19: per token with ``cu_seqlens`` (the padded ones where given) on the
+Otherwise the rotation is Megatron's ``apply_rotary_pos_emb`` with the arguments its forward passes
+in megatron-core 0.16 and 0.19: per token with ``cu_seqlens`` (the padded ones where given) on the
 packed thd layout, whose batch dimension it squeezes first; on ``[s, b, heads, dim]`` without
 packed params (the replicated layout); the YaRN mscale; Megatron's context-parallel group (a group
-of one under our Ulysses CP, which rotates each rank's token slice before the all-to-all).
-Without the setting, and without autograd or with an inference context, it is Megatron's module.
+of one under our Ulysses CP, which rotates each rank's token slice before the all-to-all). With an
+inference context, it is Megatron's module.
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from torch import Tensor
 
+from .norms import FusedRMSNorm
 from .recompute import RecomputableQueryKey, Release, checkpoint_without_output
 
 
@@ -52,8 +63,8 @@ class _QueryKeyRope:
 
 
 class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
-    """``SelfAttention`` that norms and rotates q and k as recomputed functions of linear_qkv's
-    output in layers where ``recompute_qk_norm_rope`` is set (see the module docstring)."""
+    """``SelfAttention`` that norms and rotates q and k itself, as functions of linear_qkv's output,
+    recomputed in layers where ``recompute_qk_norm_rope`` is set (see the module docstring)."""
 
     _rope: Optional[_QueryKeyRope] = None  # set while a forward that rotates q and k here runs
 
@@ -70,7 +81,7 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
                 raise ValueError(f"recompute_qk_norm_rope: the attention runs without {name}")
 
     def forward(self, hidden_states: Tensor, *args, rotary_pos_emb=None, packed_seq_params=None, **kwargs):
-        if not self._rotates_query_key(kwargs, packed_seq_params):
+        if not self._rotates_query_key(kwargs):
             return super().forward(hidden_states, *args, rotary_pos_emb=rotary_pos_emb,
                                    packed_seq_params=packed_seq_params, **kwargs)
         self._rope = _QueryKeyRope(self._rope_freqs(rotary_pos_emb), _rope_cu_seqlens(packed_seq_params))
@@ -83,16 +94,13 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
             release(output)
         return output, bias
 
-    def _rotates_query_key(self, forward_kwargs, packed_seq_params) -> bool:
-        """Whether this forward norms and rotates q and k here: where they are recomputed (in
-        training), and on the packed thd layout, whose per-token RoPE Megatron's forward applies
-        segment by segment, reading each segment's offset back from the GPU (a host sync per
-        segment, per layer and pass). Not with an inference context, which adjusts RoPE to its cache
-        (only Megatron's forward does), nor where Megatron's forward rotates q and k its own way."""
+    def _rotates_query_key(self, forward_kwargs) -> bool:
+        """Whether this forward norms and rotates q and k here (see the module docstring): in
+        training and forward-only passes, on either layout, so that both run the same math. Not with
+        an inference context, which adjusts RoPE to its cache (only Megatron's forward does), nor
+        where Megatron's forward rotates q and k its own way."""
         inference = any(forward_kwargs.get(name) is not None for name in ("inference_context", "inference_params"))
-        if inference or any(getattr(self.config, name, False) for name in UNSPLIT_ROPE_FIELDS):
-            return False
-        return self._recomputes_query_key() or _rope_cu_seqlens(packed_seq_params)[0] is not None
+        return not inference and not any(getattr(self.config, name, False) for name in UNSPLIT_ROPE_FIELDS)
 
     def _recomputes_query_key(self) -> bool:
         return self.recompute_qk_norm_rope and torch.is_grad_enabled()
@@ -114,8 +122,8 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
         query, key, value = self.unnormed_query_key_value(hidden_states)
         (q_freqs, k_freqs), (q_cu_seqlens, k_cu_seqlens) = self._rope.freqs, self._rope.cu_seqlens
-        query = self._for_attention(self.normed_query, self.q_layernorm, q_freqs, q_cu_seqlens, query)
-        key = self._for_attention(self.normed_key, self.k_layernorm, k_freqs, k_cu_seqlens, key)
+        query = self._for_attention(self.query_heads, self.q_layernorm, q_freqs, q_cu_seqlens, query)
+        key = self._for_attention(_unchanged, self.k_layernorm, k_freqs, k_cu_seqlens, key)
         return query, key, value
 
     def unnormed_query_key_value(self, hidden_states: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -125,44 +133,86 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         split = megatron_attention.SplitAlongDim  # Transformer Engine's, where Megatron found it
         return split(mixed_qkv, 3, split_sizes) if split is not None else torch.split(mixed_qkv, split_sizes, dim=3)
 
+    def query_heads(self, query: Tensor) -> Tensor:
+        """[sq, b, ng, np/ng * hn] -> [sq, b, np, hn], as Megatron's ``get_query_key_value_tensors``
+        (a layout whose heads tp splits evenly: DualKVAttention's)."""
+        return query.reshape(query.size(0), query.size(1), -1, self.hidden_size_per_attention_head)
+
     def normed_query(self, query: Tensor) -> Tensor:
-        """[sq, b, ng, np/ng * hn] -> [sq, b, np, hn] through the q norm, as Megatron's
-        ``get_query_key_value_tensors`` (a layout whose heads tp splits evenly: DualKVAttention's)."""
-        query = query.reshape(query.size(0), query.size(1), -1, self.hidden_size_per_attention_head)
-        return query if self.q_layernorm is None else self.q_layernorm(query)
+        """``query_heads`` through the q norm."""
+        return _normed(self.q_layernorm, self.query_heads(query))
 
     def normed_key(self, key: Tensor) -> Tensor:
-        return key if self.k_layernorm is None else self.k_layernorm(key)
+        return _normed(self.k_layernorm, key)
 
-    def _for_attention(self, normed: Callable[[Tensor], Tensor], norm, freqs, cu_seqlens, x: Tensor) -> Tensor:
-        """``normed(x)`` rotated; recomputed instead of kept where the layer recomputes it (a plain
-        call where neither a norm nor RoPE computes anything: no new tensor to free)."""
+    def _for_attention(self, heads: Callable[[Tensor], Tensor], norm, freqs, cu_seqlens, x: Tensor) -> Tensor:
+        """``heads(x)`` normed and rotated; recomputed instead of kept where the layer recomputes it
+        (a plain call where neither a norm nor RoPE computes anything: no new tensor to free)."""
         if freqs is None and (norm is None or isinstance(norm, IdentityOp)):
-            return normed(x)
-        rotated = partial(self._rotated, normed, freqs, cu_seqlens)
-        if not self._recomputes_query_key():
+            return heads(x)
+        rotated = partial(self._rotated, heads, norm, freqs, cu_seqlens)
+        if self._recomputes_query_key():
+            output, release = checkpoint_without_output(rotated, x)
+            self._rope.releases.append(release)
+        else:
             output = rotated(x)
-            return output if cu_seqlens is None else output.unsqueeze(1)
-        output, release = checkpoint_without_output(rotated, x)
-        self._rope.releases.append(release)
         # thd: the batch dimension back, for Megatron's forward to squeeze
         return output if cu_seqlens is None else output.unsqueeze(1)
 
-    def _rotated(self, normed, freqs: Optional[Tensor], cu_seqlens: Optional[Tensor], x: Tensor) -> Tensor:
-        """normed(x) rotated as Megatron's forward rotates it; thd: [t, heads, dim], without the batch dimension."""
-        x = normed(x)
-        if cu_seqlens is not None:
-            x = x.squeeze(1)
+    def _rotated(self, heads, norm, freqs: Optional[Tensor], cu_seqlens: Optional[Tensor], x: Tensor) -> Tensor:
+        """heads(x) normed and rotated as Megatron's forward does it; thd: [t, heads, dim], without the
+        batch dimension."""
+        x = heads(x)  # [s, b, heads, d]; thd: b = 1
+        thd = cu_seqlens is not None
         if freqs is None:
-            return x
-        rope = partial(apply_rotary_pos_emb, config=self.config, mscale=_yarn_get_concentration_factor_from_config(self.config),
-                       cp_group=self.pg_collection.cp)
-        if cu_seqlens is not None and freqs.size(0) == x.size(0) and self.pg_collection.cp.size() == 1:
-            # One frequency row per packed token (DualKVGPTModel): Megatron's thd path would gather
-            # these same rows segment by segment, with a host sync per segment; the [s, b, ...]
-            # path applies them at once, bitwise the same.
-            return rope(x.unsqueeze(1), freqs).squeeze(1)
-        return rope(x, freqs, cu_seqlens=cu_seqlens)
+            x = _normed(norm, x)
+            return x.squeeze(1) if thd else x
+        mscale = _yarn_get_concentration_factor_from_config(self.config)
+        # One frequency row per token: [s, 1, 1, d] of the replicated layout's positions, or
+        # DualKVGPTModel's [t, 1, 1, d] of the packed tokens (Megatron's thd path would gather these
+        # same rows segment by segment, with a host sync per segment, then rotate them the same way).
+        per_token = freqs.size(0) == x.size(0) and self.pg_collection.cp.size() == 1
+        if per_token and self._fuses_norm_and_rope(norm, freqs, x):
+            x = (_fused_rms_norm_rope if x.is_cuda else rms_norm_rope)(x, norm.weight, norm.eps, freqs, mscale)
+            return x.squeeze(1) if thd else x
+        x = _normed(norm, x)
+        rope = partial(apply_rotary_pos_emb, config=self.config, mscale=mscale, cp_group=self.pg_collection.cp)
+        if per_token:
+            return rope(x, freqs).squeeze(1) if thd else rope(x, freqs)
+        return rope(x.squeeze(1), freqs, cu_seqlens=cu_seqlens) if thd else rope(x, freqs)
+
+    def _fuses_norm_and_rope(self, norm, freqs: Tensor, x: Tensor) -> bool:
+        """Whether the norm is torch's RMSNorm (``FusedRMSNorm``) and the rotation Megatron's plain
+        one over the whole head, which ``rms_norm_rope`` computes."""
+        plain_rope = not (self.config.rotary_interleaved or self.config.multi_latent_attention)
+        return (type(norm) is FusedRMSNorm and norm.weight is not None and norm.eps is not None and plain_rope
+                and freqs.size(-1) == x.size(-1))
+
+
+def rms_norm_rope(x: Tensor, weight: Tensor, eps: float, freqs: Tensor, mscale: float) -> Tensor:
+    """RMSNorm over the last dim, then RoPE: the ops, in order, of torch's ``rms_norm`` and of
+    Megatron's unfused ``[s, b, ...]`` rotation over the whole head,
+    ``t * cos + rotate_half(t) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]`` and cos, sin (times
+    mscale) cast to x's dtype. x: [s, b, heads, d]; freqs: [s, 1, 1, d], broadcast over b and heads."""
+    x = torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+    cos, sin = ((f(freqs) * mscale).to(x.dtype) for f in (torch.cos, torch.sin))
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    # Megatron's closing cat with the (empty) unrotated part: the gradient reaches the norm in the
+    # same memory layout, so that the weight's gradient sums in the same order (bitwise eager parity)
+    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, x[..., x.size(-1):]), dim=-1)
+
+
+# On CUDA one kernel per direction (torch.compile, as FusedRMSNorm): the eager ops pass over q's
+# bytes about eight times each way.
+_fused_rms_norm_rope = torch.compile(rms_norm_rope, dynamic=True)
+
+
+def _normed(norm, x: Tensor) -> Tensor:
+    return x if norm is None else norm(x)
+
+
+def _unchanged(x: Tensor) -> Tensor:
+    return x
 
 
 def _rope_cu_seqlens(packed_seq_params) -> Tuple[Optional[Tensor], Optional[Tensor]]:
