@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from megatron_dualkv.mcore import transformer_engine_available
 from megatron_dualkv.mcore.recompute import RECOMPUTE_MODES, checkpoint_without_output, recompute_config_kwargs
-from megatron_dualkv.mcore.self_attention import DualKVSelfAttention
 from megatron_dualkv.models import build_model
 from megatron_dualkv.models.builder import _BLOCK_RECOMPUTE_PASSES_PADDING
 from megatron_dualkv.rl import GRPOLoss, forward_backward
