@@ -102,12 +102,16 @@ def stage_layers(config, pp_rank: int, vp_stage: Optional[int] = None) -> List[i
     return list(range(offset + 1, offset + count + 1))
 
 
+def chunk_layers(config, sizes: ParallelSizes, pp_rank: int) -> List[List[int]]:
+    """The layer numbers of each model chunk of pipeline stage ``pp_rank`` (one chunk without vpp)."""
+    return [stage_layers(config, pp_rank, vp_stage) for vp_stage in ([None] if not sizes.vpp else range(sizes.vpp))]
+
+
 def rank_parameters(config, vocab_size: int, tied: bool, sizes: ParallelSizes, pp_rank: int = 0) -> ParameterCounts:
     """The parameters of one rank of pipeline stage ``pp_rank`` (all its model chunks)."""
-    chunks = [None] if not sizes.vpp else list(range(sizes.vpp))
     counts = ParameterCounts()
-    for vp_stage in chunks:
-        for number in stage_layers(config, pp_rank, vp_stage):
+    for layers in chunk_layers(config, sizes, pp_rank):
+        for number in layers:
             counts = counts + layer_parameters(config, number, sizes)
     embedding = vocab_size * config.hidden_size // sizes.tp
     first, last = pp_rank == 0, pp_rank == sizes.pp - 1
@@ -290,15 +294,11 @@ class MemoryModel:
         return max(1, self.dp * self.sizes.tp * self.sizes.cp // (self.sizes.ep * self.sizes.etp))
 
     # ---------------------------------------------------------------- activations
-    def _chunk_layers(self, pp_rank: int) -> List[List[int]]:
-        chunks = [None] if not self.sizes.vpp else list(range(self.sizes.vpp))
-        return [stage_layers(self.config, pp_rank, vp) for vp in chunks]
-
     def activation_bytes_per_token(self, mode: str, recompute_layers: Optional[int] = None, pp_rank: int = 0,
                                    layout: str = "packed") -> float:
         """Bytes per micro-batch token that all layers of one rank keep until the backward."""
         total = 0.0
-        for layers in self._chunk_layers(pp_rank):
+        for layers in chunk_layers(self.config, self.sizes, pp_rank):
             for number, layer_mode in zip(layers, layer_modes(mode, recompute_layers, layers)):
                 total += layer_activation_bytes(self.config, number, self.sizes, layer_mode, layout)
         return total
@@ -322,7 +322,7 @@ class MemoryModel:
         the last stage the output layer's logits chunk."""
         sizes, config = self.sizes, self.config
         local_tokens = tokens / sizes.cp
-        layers = [n for chunk in self._chunk_layers(pp_rank) for n in chunk]
+        layers = [n for chunk in chunk_layers(self.config, self.sizes, pp_rank) for n in chunk]
         widest = max(layers, key=lambda n: layer_activation_bytes(config, n, sizes, "none", layout))
         none_bytes = layer_activation_bytes(config, widest, sizes, "none", layout) * tokens
         deepest = "full" if mode == "full" or recompute_layers else mode
@@ -359,7 +359,7 @@ class MemoryModel:
         return max((self.predict(*args, pp_rank=r, **kwargs) for r in range(self.sizes.pp)), key=lambda e: e.total)
 
     def _min_chunk_layers(self) -> int:
-        return min(len(layers) for r in range(self.sizes.pp) for layers in self._chunk_layers(r))
+        return min(len(layers) for r in range(self.sizes.pp) for layers in chunk_layers(self.config, self.sizes, r))
 
     def recompute_ladder(self) -> List[Tuple[str, Optional[int]]]:
         """Recompute settings from the cheapest to the one that saves the most memory: none, selective,
