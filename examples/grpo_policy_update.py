@@ -70,7 +70,9 @@ from megatron_dualkv import CostModel, RolloutGroup, Trajectory, pack_trajectori
 from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
 from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
-from megatron_dualkv.models import architecture_differences, build_model, checkpoint_card, load_card, load_model  # noqa: E402
+from megatron_dualkv.models import (  # noqa: E402
+    ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_model,
+)
 from megatron_dualkv.models.builder import param_dtype  # noqa: E402
 from megatron_dualkv.rl import (  # noqa: E402
     DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
@@ -266,7 +268,7 @@ def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[F
         return None
     if not torch.cuda.is_available():
         raise InputError("--recompute auto and --max-tokens auto fit the micro-batch to the GPU's memory: they need CUDA")
-    card = checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    card = model_card(args)
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     world = int(os.environ.get("WORLD_SIZE", 1))
     memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
@@ -379,7 +381,7 @@ def build_reference(args: argparse.Namespace):
     parallel sizes and dtype. Memory: its weights only (no gradients, no optimizer state)."""
     if args.ref_load is None:
         return None
-    card = checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    card = model_card(args)
     differences = architecture_differences(card, checkpoint_card(args.ref_load))
     if differences:
         shown = ", ".join(f"{name} {ours!r} vs {theirs!r}" for name, (ours, theirs) in list(differences.items())[:4])
@@ -725,6 +727,11 @@ def save_checkpoint(directory: Path, step: int, policy: Policy) -> Path:
     return path
 
 
+def model_card(args: argparse.Namespace) -> ModelCard:
+    """--model's card: a card name or file, or that of a converted checkpoint folder."""
+    return checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+
+
 def _load_common_state(directory: Path) -> Tuple[Path, dict]:
     """The latest checkpoint in ``directory`` and its common (non-tensor) state."""
     tracker = directory / TRACKER
@@ -770,7 +777,7 @@ def _check_same_schedule(saved: dict, ours: dict, directory: Path) -> None:
 # ------------------------------------------------------------------------------------------- main
 def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
-    card = checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    card = model_card(args)
     rollouts = read_run_rollouts(args, card.config["vocab_size"])
     groups = file_groups(rollouts)
     fit = fit_to_memory(args, groups)
