@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -357,6 +358,19 @@ def test_bench_update_replaces_only_the_rows_of_the_models_measured(bench, tmp_p
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--tiny", "--memory-margin", "1.5"])
     assert "--memory-margin must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["packed", "replicated"])
+def test_bench_ranks_settings_by_the_flops_the_step_counts(bench, script, layout):
+    """--full-depth's ranking counts a setting's useful FLOPs as the step does: the output layer on
+    the rows that predict a trained token (an independent count: the step's, from its packed batch)."""
+    memory, cost, _ = bench.planning_models("qwen3-tiny", SimpleNamespace(dtype="float32", device="cpu", memory_margin=0.08))
+    n, p, r = 4, 96, 24
+    whole = [s for s in bench.candidate_settings(memory, cost, 1e12, (n, p, r), layout) if s.responses == n]
+    group = bench.rollout_group(n, p, r, memory.vocab_size, seed=1)
+    minis = script.plan_mini_batches([group], 1, n * (p + r), torch.zeros(n))
+    assert len(whole) == 1 and minis[0].plan.num_micro_batches == 1
+    assert whole[0].useful_flops == pytest.approx(bench.STEP_PASSES * script._forward_flops(cost, minis, layout))
 
 
 def test_bench_profile_counts_overlapping_kernels_once(bench):

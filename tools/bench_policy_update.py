@@ -292,7 +292,9 @@ def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, work
         prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
         settings.append(Setting(
             k, fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
-            useful_flops=sum(STEP_PASSES * cost.layout_flops(mb, predicting_rows=r * len(mb.segment_lens)) for mb in mbs),
+            # each response (replicated: each sequence) predicts its r tokens
+            useful_flops=sum(STEP_PASSES * cost.layout_flops(mb, predicting_rows=r * (mb.num_responses or mb.num_groups))
+                             for mb in mbs),
             recompute_flops=sum(recomputed * cost.layer_flops(mb, layers) for mb in mbs),
         ))
         k //= 2
