@@ -102,3 +102,18 @@ def test_the_norm_and_rope_are_fused_where_the_norm_is_torchs(card, fused, monke
         with torch.no_grad():
             grpo_step(model, batches[:1], layout)
     assert len(calls) == (2 * 2 * layers if fused else 0)
+
+
+def test_rms_norm_rope_traces_as_one_graph_of_any_size():
+    """What torch.compile sees on CUDA: one graph (no break) for every size, with autograd (AOT's
+    joint graph) and without; here through the eager AOT backend, which runs the traced graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    traced = torch.compile(rms_norm_rope, backend="aot_eager", dynamic=True, fullgraph=True)
+    for shape in [(7, 1, 4, 16), (9, 1, 2, 16), (5, 3, 4, 16)]:
+        x, weight, freqs, dy = inputs(shape, torch.float32)
+        for got, want in zip(run(traced, x, weight, freqs, dy, 1.5), run(rms_norm_rope, x, weight, freqs, dy, 1.5)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            torch.testing.assert_close(traced(x, weight, 1e-6, freqs, 1.5), rms_norm_rope(x, weight, 1e-6, freqs, 1.5))
