@@ -136,7 +136,10 @@ def test_fused_rms_norm_matches_torch_on_cuda():
     # forward-only passes and selective recompute's forwards run without autograd: fused there too
     with torch.no_grad():
         torch.testing.assert_close(fused(x).double(), results[1][0], rtol=2e-2, atol=2e-2 * results[1][0].abs().max().item())
-        assert cuda_kernels(lambda: fused(x)) < cuda_kernels(lambda: torch.nn.RMSNorm.forward(fused, x))
+        # as the local spec builds it: a float32 weight beside bf16 activations, where torch's own
+        # forward cannot take its fused kernel (PERF_NOTES.md, run DU)
+        mixed = FusedRMSNorm(4096, eps=1e-6).cuda()
+        assert cuda_kernels(lambda: mixed(x)) < cuda_kernels(lambda: torch.nn.RMSNorm.forward(mixed, x))
 
 
 def cuda_kernels(run) -> int:
