@@ -8,10 +8,11 @@ gradient of the (replicated) norm weights summed over the tensor-parallel group,
 only sees its own tokens: Megatron's ``finalize_model_grads`` does that for every parameter marked
 ``sequence_parallel`` (as its Transformer Engine and apex norms mark theirs).
 
-torch runs RMSNorm as separate elementwise kernels (an upcast, pow, mean, rsqrt, mul, ...) both
-ways, with or without autograd: on the H200, 17 norms of a 4-layer Qwen3-8B step cost more than
-the forward attention, and a Qwen3-4B q norm (24,576 tokens x 32 heads x 128) takes 1.8 ms
-forward where one pass over its bytes takes 0.12 (PERF_NOTES.md, run DU). ``FusedRMSNorm``
+torch runs RMSNorm's backward as separate elementwise kernels (pow, mean, mul, ...), and its
+forward too where the weight's dtype is not the input's: these norms keep float32 weights beside
+bf16 activations (no ``Float16Module`` casts them). On the H200, 17 norms of a 4-layer Qwen3-8B
+step cost more than the forward attention, and a Qwen3-4B q norm (24,576 tokens x 32 heads x 128)
+took 1.8 ms forward where one pass over its bytes takes 0.12 (PERF_NOTES.md, run DU). ``FusedRMSNorm``
 compiles it (``torch.compile``, as Megatron's own ``jit_fuser``) on CUDA, giving one kernel per
 direction, also in forward-only passes and in the forwards that selective recompute runs without
 autograd; elsewhere it is torch's RMSNorm. Its output can be recomputed instead of

@@ -18,9 +18,10 @@ number of mini-batches, and ``ppo_epochs``; its Megatron actor's ``make_minibatc
    Megatron's schedule over every mini-batch's micro-batches; a frozen reference policy's the
    same way. With one update (M = E = 1) the behaviour policy is the one being updated:
    ``with_logprobs(on_policy=True)`` takes its log-probs from the update's own forward, detached,
-   and no forward-only pass runs for them (a quarter of the step's FLOPs). The inference engine's log-probs may stand in for the behaviour ones (verl's
-   rollout-correction "bypass mode": no forward pass), or go beside them for truncated
-   importance sampling (``GRPOLoss(tis_cap=...)``, ``MiniBatch.with_logprobs(rollout=...)``).
+   and no forward-only pass runs for them (a quarter of the step's FLOPs). The inference engine's
+   log-probs may stand in for the behaviour ones (verl's rollout-correction "bypass mode": no
+   forward pass), or go beside them for truncated importance sampling (``GRPOLoss(tis_cap=...)``,
+   ``MiniBatch.with_logprobs(rollout=...)``).
 3. ``ppo_updates(model, optimizer, mini_batches, loss_fn, epochs)``: ``E x M`` updates, each
    ``forward_backward`` over one mini-batch's micro-batches, then the optimizer step; it yields
    after each step (log it, or look at the model between updates). A learning-rate scheduler
