@@ -169,6 +169,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def memory_margin_problem(margin: float) -> Optional[str]:
+    """What is wrong with a --memory-margin (this script's and the bench's), None when nothing."""
+    return None if 0 <= margin < 1 else f"--memory-margin must be in [0, 1), got {margin}"
+
+
 def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
     """What is wrong with the flags on their own (before the model and files are read)."""
     for name in ("global_batch_size", "max_tokens", "steps", "mini_batches", "ppo_epochs"):
@@ -178,8 +183,8 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
         yield "--recompute auto and --max-tokens auto size packed micro-batches; pass both for --layout replicated"
     if args.recompute == AUTO and args.recompute_layers is not None:
         yield "--recompute-layers is --recompute auto's to choose: pass one or the other"
-    if not 0 <= args.memory_margin < 1:
-        yield f"--memory-margin must be in [0, 1), got {args.memory_margin}"
+    if margin_problem := memory_margin_problem(args.memory_margin):
+        yield margin_problem
     if args.global_batch_size % args.mini_batches:
         yield (f"--global-batch-size {args.global_batch_size} does not split into --mini-batches {args.mini_batches} "
                "of equal size")
@@ -476,17 +481,14 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
     _reset_peak_memory()
     start = _now()
     minis, behaviour = _with_logprobs(policy, minis, layout, reference, rollout_logprobs, bypass, on_policy)
-    updates, update_sums = [], []
-    # the behaviour log-probs of each real micro-batch, for the margin
-    behaviour_logprobs = [] if on_policy else [(mb, mb.old_logprobs) for mini in minis for mb in mini.micro_batches]
+    updates, update_sums, first_update = [], [], None
     mark = _now()
     # entropies: the behaviour pass's, else those of the first epoch's updates
     for update in ppo_updates(policy.model, policy.optimizer, minis, loss_fn, ppo.epochs, layout=layout,
                               with_entropy=behaviour is None):
         update_sums.append(_dp_sum(_metric_sums(zip(update.mini_batch.micro_batches, update.outputs))))
         updates.append(_update_stats(update, update_sums[-1], dp_size, _now() - mark))
-        if on_policy:
-            behaviour_logprobs = [(mb, out.logprobs) for mb, out in zip(update.mini_batch.micro_batches, update.outputs)]
+        first_update = first_update or update
         mark = _now()
     seconds = _now() - start
     step_sums = torch.stack(update_sums).sum(0)
@@ -494,6 +496,9 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
     entropy_sums = step_sums if behaviour is None else _dp_sum(_metric_sums(
         (mb, out) for mini, outs in zip(minis, behaviour) for mb, out in zip(mini.micro_batches, outs)))
     passes = (behaviour is not None) + (reference is not None) + 3 * ppo.epochs  # forward-only, then forward+backward
+    # the behaviour log-probs, for the margin: on-policy the first (only) update's own
+    behaviour_logprobs = (zip(first_update.mini_batch.micro_batches, (out.logprobs for out in first_update.outputs))
+                          if on_policy else ((mb, mb.old_logprobs) for mini in minis for mb in mini.micro_batches))
     totals = _dp_sum(torch.tensor([*_margin_sums(behaviour_logprobs), passes * _forward_flops(policy.cost, minis, layout)]))
     pos, n_pos, neg, n_neg, flops = totals.tolist()
     return StepStats(

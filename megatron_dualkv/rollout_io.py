@@ -297,7 +297,6 @@ def _is_loss_mask(values, length: int) -> bool:
         isinstance(v, bool) or (isinstance(v, int) and v in (0, 1)) for v in values)
 
 
-
 def _token_ids(tokenizer, prompt, responses: list, where: str):
     """(prompt ids, response ids): token-id lists as they are, text and chat through ``tokenizer(where)``."""
     if isinstance(prompt, str) or _is_chat(prompt):

@@ -13,9 +13,9 @@ Adam. Workloads: one group of N responses of R tokens sharing a P-token prompt p
 
 The step is the launch script's (``examples/grpo_policy_update.py``: one update, whose own forward
 gives the behaviour log-probs, so forward/backward with the GRPO loss and Megatron's optimizer step;
-until v0.2.0 a forward-only pass computed them first), on the packed layout with DualKV attention, and on the replicated layout (every
-response after its own prompt copy) whose core attention is PyTorch SDPA restricted to the cuDNN
-backend. For each model, workload and layout: the largest micro-batch that fits (responses per
+until v0.2.0 a forward-only pass computed them first), on the packed layout with DualKV attention,
+and on the replicated layout (every response after its own prompt copy) whose core attention is
+PyTorch SDPA restricted to the cuDNN backend. For each model, workload and layout: the largest micro-batch that fits (responses per
 micro-batch, halving from N until a step runs without running out of memory), then at that size
 the median step time over ``--repeats`` steps, rollout tokens per second, model TFLOP/s (3x the
 forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU against the bf16 matmul rate
@@ -559,8 +559,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--update: {args.update} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
-    if not 0 <= args.memory_margin < 1:
-        parser.error(f"--memory-margin must be in [0, 1), got {args.memory_margin}")
+    if margin_problem := policy_update.memory_margin_problem(args.memory_margin):
+        parser.error(margin_problem)
     if args.agent and (not args.full_depth or args.profile):
         parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
     if len(model_names) > 1:

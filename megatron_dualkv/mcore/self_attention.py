@@ -164,22 +164,21 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         batch dimension."""
         x = heads(x)  # [s, b, heads, d]; thd: b = 1
         thd = cu_seqlens is not None
-        if freqs is None:
-            x = _normed(norm, x)
-            return x.squeeze(1) if thd else x
         mscale = _yarn_get_concentration_factor_from_config(self.config)
+        rope = partial(apply_rotary_pos_emb, config=self.config, mscale=mscale, cp_group=self.pg_collection.cp)
         # One frequency row per token: [s, 1, 1, d] of the replicated layout's positions, or
         # DualKVGPTModel's [t, 1, 1, d] of the packed tokens (Megatron's thd path would gather these
         # same rows segment by segment, with a host sync per segment, then rotate them the same way).
-        per_token = freqs.size(0) == x.size(0) and self.pg_collection.cp.size() == 1
-        if per_token and self._fuses_norm_and_rope(norm, freqs, x):
+        per_token = freqs is not None and freqs.size(0) == x.size(0) and self.pg_collection.cp.size() == 1
+        if freqs is None:
+            x = _normed(norm, x)
+        elif per_token and self._fuses_norm_and_rope(norm, freqs, x):
             x = (_fused_rms_norm_rope if x.is_cuda else rms_norm_rope)(x, norm.weight, norm.eps, freqs, mscale)
-            return x.squeeze(1) if thd else x
-        x = _normed(norm, x)
-        rope = partial(apply_rotary_pos_emb, config=self.config, mscale=mscale, cp_group=self.pg_collection.cp)
-        if per_token:
-            return rope(x, freqs).squeeze(1) if thd else rope(x, freqs)
-        return rope(x.squeeze(1), freqs, cu_seqlens=cu_seqlens) if thd else rope(x, freqs)
+        elif thd and not per_token:
+            return rope(_normed(norm, x).squeeze(1), freqs, cu_seqlens=cu_seqlens)
+        else:
+            x = rope(_normed(norm, x), freqs)
+        return x.squeeze(1) if thd else x
 
     def _fuses_norm_and_rope(self, norm, freqs: Tensor, x: Tensor) -> bool:
         """Whether the norm is torch's RMSNorm (``FusedRMSNorm``) and the rotation Megatron's plain
