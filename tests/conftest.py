@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 import torch
@@ -13,11 +14,21 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 
+# Workers for the quick subset on a GPU machine: its models are tiny, and most of its time is the
+# first tests' kernel and graph compiles, which run on the host (PERF_NOTES.md, run DV).
+QUICK_GPU_WORKERS = 4
+
+
 def pytest_xdist_auto_num_workers(config):
     """Workers for `-n auto`: one per core on a CPU machine, where the suite is mostly single-threaded
-    (the Triton interpreter, subprocesses); none on a GPU machine, where the workers' models run each
-    other out of the one GPU's memory (PERF_NOTES.md, run DS)."""
-    return 0 if torch.cuda.is_available() else max(1, os.cpu_count() or 1)
+    (the Triton interpreter, subprocesses). On a GPU machine none for the whole suite, whose
+    full-width models run each other out of the one GPU's memory (PERF_NOTES.md, run DS), and a few
+    for the quick subset (`-m "not slow"`)."""
+    if not torch.cuda.is_available():
+        return max(1, os.cpu_count() or 1)
+    quick = re.search(r"\bnot\s+slow\b", config.getoption("markexpr") or "")
+    return min(QUICK_GPU_WORKERS, os.cpu_count() or 1) if quick else 0
+
 
 # What `pytest -m "not slow"` leaves out, for a quick run of the rest in a few minutes (CI runs all):
 # subprocess runs of the launch script and the tools, multi-process gloo runs, the Triton compile

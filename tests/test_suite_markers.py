@@ -1,11 +1,16 @@
 """The suite's own markers (tests/conftest.py): the modules marked ``without_megatron``, which .ci/run's
 pass with another Megatron-Core leaves out, import no Megatron-Core, directly or through the package;
-the lists of slow tests name tests that exist."""
+the lists of slow tests name tests that exist; `-n auto`'s worker count."""
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-from conftest import SLOW_MODULES, SLOW_ON_GPU_TESTS, SLOW_TESTS, WITHOUT_MEGATRON_MODULES
+import pytest
+import torch
+
+from conftest import SLOW_MODULES, SLOW_ON_GPU_TESTS, SLOW_TESTS, WITHOUT_MEGATRON_MODULES, pytest_xdist_auto_num_workers
 
 TESTS = Path(__file__).resolve().parent
 
@@ -35,3 +40,15 @@ def test_the_slow_lists_name_tests_that_exist():
     for entry in SLOW_ON_GPU_TESTS:
         module, name = entry.split("::")
         assert f"def {name}(" in sources.get(module, ""), entry
+
+
+@pytest.mark.parametrize("gpu, markexpr, workers", [
+    (False, "", 5), (False, "not slow", 5), (True, "", 0), (True, "slow", 0), (True, "not slow", 4),
+    (True, "not slow and not without_megatron", 4), (True, "not slowest", 0),
+])
+def test_xdist_workers(monkeypatch, gpu, markexpr, workers):
+    """`-n auto`: a worker per core without a GPU; with one, a few for the quick subset only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(os, "cpu_count", lambda: 5)
+    config = SimpleNamespace(getoption=lambda name: {"markexpr": markexpr}[name])
+    assert pytest_xdist_auto_num_workers(config) == workers
