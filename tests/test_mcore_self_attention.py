@@ -7,7 +7,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from flash_check import DEVICE, LOW, assert_within_twice_the_reference_error
-from megatron_dualkv.mcore import self_attention
+from megatron_dualkv.mcore import cpu_compat, norms, self_attention
 from megatron_dualkv.mcore.self_attention import DualKVSelfAttention, rms_norm_rope
 from test_recompute import grpo_step, reference
 
@@ -45,7 +45,7 @@ def run(function, x, weight, freqs, dy, mscale=1.0):
 @pytest.mark.parametrize("shape, mscale", [((7, 1, 4, 16), 1.0), ((5, 3, 2, 64), 1.25), ((33, 1, 1, 128), 1.0)])
 def test_rms_norm_rope_is_the_norm_then_the_rotation(shape, mscale):
     x, weight, freqs, dy = inputs(shape, torch.float32)
-    fused = self_attention._fused_rms_norm_rope if DEVICE == "cuda" else rms_norm_rope
+    fused = self_attention.fused_rms_norm_rope if DEVICE == "cuda" else rms_norm_rope
     got = run(fused, x, weight, freqs, dy, mscale)
     want = run(rotated_float64, x.double(), weight.double(), freqs, dy.double(), mscale)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
@@ -57,7 +57,7 @@ def test_rms_norm_rope_in_low_precision_within_twice_the_pytorch_error():
     """Compiled on a GPU (bf16): at most 2x the error of the eager ops against float64."""
     x, weight, freqs, dy = inputs((300, 1, 8, 128) if DEVICE == "cuda" else (12, 1, 2, 32), LOW, seed=1)
     exact = run(rotated_float64, x.double(), weight.double(), freqs, dy.double())
-    fused = self_attention._fused_rms_norm_rope if DEVICE == "cuda" else rms_norm_rope
+    fused = self_attention.fused_rms_norm_rope if DEVICE == "cuda" else rms_norm_rope
     ours, eager = run(fused, x, weight, freqs, dy), run(rms_norm_rope, x, weight, freqs, dy)
     for name, a, b, e in zip(("y", "dx", "dw"), ours, eager, exact):
         assert a.dtype == LOW, name
@@ -94,7 +94,7 @@ def test_the_norm_and_rope_are_fused_where_the_norm_is_torchs(card, fused, monke
     of every layer, forward-only too; Gemma's (its own float32 norm) keep the norm and Megatron's
     rotation apart."""
     calls = []
-    for name in ("rms_norm_rope", "_fused_rms_norm_rope"):
+    for name in ("rms_norm_rope", "fused_rms_norm_rope"):
         function = getattr(self_attention, name)
         monkeypatch.setattr(self_attention, name, lambda *a, _f=function: calls.append(a[0].shape) or _f(*a))
     model, batches, _, _ = reference(card, ())
@@ -110,7 +110,7 @@ def test_rms_norm_rope_traces_as_one_graph_of_any_size():
     """What torch.compile sees: one graph (no break) for every size, with autograd (AOT's joint graph)
     and without; through the eager AOT backend, which runs the traced graph, on CPU tensors. (On CUDA
     that backend hands torch's fused RMSNorm kernel an unresolved symbolic size, torch 2.11; inductor,
-    the backend `_fused_rms_norm_rope` uses, decomposes the norm and runs in the GPU tests above.)"""
+    the backend `fused_rms_norm_rope` compiles with, decomposes the norm and runs in the GPU tests above.)"""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -121,3 +121,64 @@ def test_rms_norm_rope_traces_as_one_graph_of_any_size():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         with torch.no_grad():
             torch.testing.assert_close(traced(x, weight, 1e-6, freqs, 1.5), rms_norm_rope(x, weight, 1e-6, freqs, 1.5))
+
+
+def qkv_views(d=32, groups=2, per_group=4):
+    """q [s, b, heads, d] and k [s, b, groups, d] as DualKVSelfAttention gets them from linear_qkv's
+    output, for both layouts' batches (1 packed, 2 replicated) and two lengths."""
+    for s, b in ((40, 1), (56, 1), (40, 2), (56, 2)):
+        qkv = torch.randn(s, b, groups, (per_group + 2) * d)
+        q, k, _ = torch.split(qkv, [per_group * d, d, d], dim=3)
+        yield q.reshape(s, b, groups * per_group, d)
+        yield k
+
+
+def rope_args(x):
+    half = torch.arange(x.size(0), dtype=torch.float32)[:, None] * 10000 ** (-torch.arange(0, x.size(-1), 2) / x.size(-1))
+    return torch.cat((half, half), dim=-1)[:, None, None, :], 1.25
+
+
+COMPILED = {  # wrapper: its module, the compiled function's name, the eager function, its other arguments
+    "fused_rms_norm_rope": (self_attention, "_compiled_rms_norm_rope", rms_norm_rope, rope_args),
+    "_rms_norm": (norms, "_compiled_rms_norm", norms._compiled_rms_norm._torchdynamo_orig_callable, lambda x: ()),
+}
+
+
+@pytest.fixture
+def without_cpu_compat():
+    """torch.compile as on a GPU machine: without the CPU runs' device mode (a TorchFunctionMode,
+    which dynamo traces and guards on)."""
+    enabled = cpu_compat.cpu_compat_enabled()
+    cpu_compat.disable_cpu_compat()
+    yield
+    if enabled:
+        cpu_compat.enable_cpu_compat()
+
+
+@pytest.mark.parametrize("wrapper", sorted(COMPILED))
+def test_one_compiled_graph_per_grad_mode_whatever_the_layout(wrapper, monkeypatch, without_cpu_compat):
+    """torch.compile guards on strides, on a batch of one and on views, and runs eager past its limit
+    of graphs (8). Called on q and k of both layouts, each with autograd (x requiring its gradient
+    or not) and without, the wrappers stay under it (q a view, k a copy: 2 graphs for each of the 3
+    modes, and one more for a view guard); the function compiled on its inputs as they come reaches
+    it."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    module, name, eager, extra = COMPILED[wrapper]
+    graphs = {}
+    for wrapped in (True, False):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(eager, backend=counter, dynamic=True)
+        monkeypatch.setattr(module, name, compiled)
+        function = getattr(module, wrapper) if wrapped else compiled
+        for x in qkv_views():
+            weight = 1 + 0.1 * torch.randn(x.size(-1))
+            for grad_mode, x_grad in ((True, True), (True, False), (False, False)):
+                with torch.set_grad_enabled(grad_mode):
+                    args = (x.clone().requires_grad_(x_grad) if x_grad else x, weight.requires_grad_(grad_mode), 1e-6)
+                    torch.testing.assert_close(function(*args, *extra(x)), eager(*args, *extra(x)), rtol=1e-6, atol=1e-6)
+        graphs[wrapped] = counter.frame_count
+    torch._dynamo.reset()
+    assert graphs[True] < torch._dynamo.config.recompile_limit == graphs[False], graphs

@@ -92,8 +92,13 @@ def test_padding_micro_batches_add_no_loss_and_no_gradient(model):
     padding = RLMicroBatch(PlannedMicroBatch((), (), (), torch.zeros(0, dtype=torch.long), 0, 0.0).pack(8), is_padding=True)
     outputs, with_padding = run(model, [mb, padding], loss_fn, "packed")
     assert outputs[1].loss.item() == 0.0 and set(outputs[1].metrics) == {"entropy"}
+    # Bit for bit on the CPU. On the GPU the same check failed at rtol 1e-6 after this module's other
+    # tests, and passed in a process of its own (PERF_NOTES.md, run DV): which norm kernels run
+    # (compiled, or eager past torch.compile's graph limit) depends on what was compiled before. A
+    # padding micro-batch's gradient would be of the order of the gradient itself.
+    rtol = 1e-5 if next(model.parameters()).is_cuda else 0.0
     for name, grad in alone.items():
-        torch.testing.assert_close(with_padding[name], grad / 2, rtol=1e-6, atol=1e-9, msg=name)
+        torch.testing.assert_close(with_padding[name], grad / 2, rtol=rtol, atol=rtol * 1e-3, msg=name)
 
 
 def test_rollout_logprobs_reach_the_loss(model):

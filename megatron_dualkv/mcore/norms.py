@@ -33,8 +33,15 @@ from .recompute import RecomputableOutput
 
 
 @torch.compile(dynamic=True)
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The compiled norm on x as contiguous rows [n, d]. torch.compile guards on strides and on a
+    batch of one, so each layout's batch and each strided view would compile again, up to its limit
+    of 8 graphs and eager beyond it (PERF_NOTES.md, run DV): this way one graph per grad mode."""
+    return _compiled_rms_norm(x.reshape(-1, x.size(-1)).contiguous(), weight, eps).view(x.shape)
 
 
 class FusedRMSNorm(RecomputableOutput, torch.nn.RMSNorm):

@@ -173,7 +173,7 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         if freqs is None:
             x = _normed(norm, x)
         elif per_token and self._fuses_norm_and_rope(norm, freqs, x):
-            x = (_fused_rms_norm_rope if x.is_cuda else rms_norm_rope)(x, norm.weight, norm.eps, freqs, mscale)
+            x = (fused_rms_norm_rope if x.is_cuda else rms_norm_rope)(x, norm.weight, norm.eps, freqs, mscale)
         elif thd and not per_token:
             return rope(_normed(norm, x).squeeze(1), freqs, cu_seqlens=cu_seqlens)
         else:
@@ -203,7 +203,17 @@ def rms_norm_rope(x: Tensor, weight: Tensor, eps: float, freqs: Tensor, mscale: 
 
 # On CUDA one kernel per direction (torch.compile, as FusedRMSNorm): the eager ops pass over q's
 # bytes about eight times each way.
-_fused_rms_norm_rope = torch.compile(rms_norm_rope, dynamic=True)
+_compiled_rms_norm_rope = torch.compile(rms_norm_rope, dynamic=True)
+
+
+def fused_rms_norm_rope(x: Tensor, weight: Tensor, eps: float, freqs: Tensor, mscale: float) -> Tensor:
+    """``rms_norm_rope`` compiled, on x as one contiguous [s, b * heads, d]. torch.compile guards on
+    strides and on a batch of one: q, k (a strided view of linear_qkv's output) and each layout's
+    batch would compile again, up to its limit of 8 graphs and eager beyond it (PERF_NOTES.md, run
+    DV). This way one graph per grad mode; k is copied (a quarter of q's bytes)."""
+    s, d = x.size(0), x.size(-1)
+    rows = x.reshape(s, -1, d).contiguous()
+    return _compiled_rms_norm_rope(rows, weight, eps, freqs.reshape(s, 1, d), mscale).view(x.shape)
 
 
 def _normed(norm, x: Tensor) -> Tensor:
