@@ -39,8 +39,8 @@ def _compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The compiled norm on x as contiguous rows [n, d]. torch.compile guards on strides and on a
-    batch of one, so each layout's batch and each strided view would compile again, up to its limit
-    of 8 graphs and eager beyond it (PERF_NOTES.md, run DV): this way one graph per grad mode."""
+    batch of one, and past its limit of 8 graphs runs the eager ops (PERF_NOTES.md, run DV); as rows,
+    the layouts' batches and strides need no graphs of their own (views still do)."""
     return _compiled_rms_norm(x.reshape(-1, x.size(-1)).contiguous(), weight, eps).view(x.shape)
 
 

@@ -208,9 +208,10 @@ _compiled_rms_norm_rope = torch.compile(rms_norm_rope, dynamic=True)
 
 def fused_rms_norm_rope(x: Tensor, weight: Tensor, eps: float, freqs: Tensor, mscale: float) -> Tensor:
     """``rms_norm_rope`` compiled, on x as one contiguous [s, b * heads, d]. torch.compile guards on
-    strides and on a batch of one: q, k (a strided view of linear_qkv's output) and each layout's
-    batch would compile again, up to its limit of 8 graphs and eager beyond it (PERF_NOTES.md, run
-    DV). This way one graph per grad mode; k is copied (a quarter of q's bytes)."""
+    strides, on a batch of one and on views, and past its limit of 8 graphs runs the eager ops
+    (PERF_NOTES.md, run DV). As rows, q, k (a strided view of linear_qkv's output) and both layouts'
+    batches take 6 graphs over the three grad modes: q stays a view, k is copied (a quarter of q's
+    bytes)."""
     s, d = x.size(0), x.size(-1)
     rows = x.reshape(s, -1, d).contiguous()
     return _compiled_rms_norm_rope(rows, weight, eps, freqs.reshape(s, 1, d), mscale).view(x.shape)
