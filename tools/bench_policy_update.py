@@ -15,11 +15,11 @@ The step is the launch script's (``examples/grpo_policy_update.py``: one update,
 gives the behaviour log-probs, so forward/backward with the GRPO loss and Megatron's optimizer step;
 until v0.2.0 a forward-only pass computed them first), on the packed layout with DualKV attention,
 and on the replicated layout (every response after its own prompt copy) whose core attention is
-PyTorch SDPA restricted to the cuDNN backend. For each model, workload and layout: the largest micro-batch that fits (responses per
-micro-batch, halving from N until a step runs without running out of memory), then at that size
-the median step time over ``--repeats`` steps, rollout tokens per second, model TFLOP/s (3x the
-forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU against the bf16 matmul rate
-measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG. Each
+PyTorch SDPA restricted to the cuDNN backend. For each model, workload and layout: the largest
+micro-batch that fits (responses per micro-batch, halving from N until a step runs without running
+out of memory), then at that size the median step time over ``--repeats`` steps, rollout tokens per
+second, model TFLOP/s (3x the forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU
+against the bf16 matmul rate measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG. Each
 model is measured in a process of its own (``measure_alone``).
 ``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
 theirs, with the matmul rate of their own run) and redraws its PNG.
