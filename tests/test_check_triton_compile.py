@@ -23,7 +23,8 @@ def test_kernels_compile_for_hopper():
     assert "sm_90" in result.stdout and "FAILED" not in result.stdout
     assert result.stdout.count("ok ") == 7  # four attention variants on a DualKV layout, two on a tree, elementwise
     assert "ok     attention tree D=64 bf16 window=16 (" in result.stdout
-    assert "row_gather_sum bf16 (5 kernels" in result.stdout  # each direction of rms_norm and geglu, row_gather_sum
+    # each direction of rms_norm, rms_norm_rope and geglu, row_gather_sum
+    assert "row_gather_sum bf16 (7 kernels" in result.stdout
 
 
 def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):
@@ -40,4 +41,4 @@ def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):
     result = check("--head-dims", "64", "--dtypes", "bf16",
                    env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert result.returncode == 1
-    assert "FAILED rms_norm, geglu, row_gather_sum bf16: CompilationError" in result.stdout
+    assert "FAILED rms_norm, rms_norm_rope, geglu, row_gather_sum bf16: CompilationError" in result.stdout

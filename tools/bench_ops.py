@@ -1,8 +1,8 @@
 """Ops alone on the GPU, in bf16.
 
-``--mode elementwise`` (default): Gemma's elementwise ops at Gemma-4-31B shapes, our Triton kernels
-against the PyTorch ops they replace (eager, and ``torch.compile``'d), forward and
-forward+backward. For each op: median time and the bandwidth it reaches over the least traffic the
+``--mode elementwise`` (default): Gemma's elementwise ops at Gemma-4-31B shapes and Qwen3-4B's q
+norm + RoPE, our Triton kernels against the PyTorch ops they replace (eager, and
+``torch.compile``'d), forward and forward+backward. For each op: median time and the bandwidth it reaches over the least traffic the
 op needs (its inputs read and its outputs written once per direction, in bf16), so a kernel far
 below the card's ~4.8 TB/s shows at once.
 
@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -37,9 +37,11 @@ from megatron_dualkv.layout import DualKVLayout  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func, geglu_reference  # noqa: E402
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func, rms_norm_reference  # noqa: E402
+from megatron_dualkv.ops.rms_norm_rope import rms_norm_rope_func, rms_norm_rope_reference  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens, vocab_parallel_logprobs  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM = 5376, 21504, 32, 256  # Gemma 4 31B (sliding layers' head dim)
+QWEN3_HEADS, QWEN3_HEAD_DIM = 32, 128  # Qwen3-4B's query heads
 VOCABS = {"qwen3": 151936, "gemma3": 262208}
 LOGPROB_HIDDEN = 2560  # Qwen3-4B and Gemma-3-4B
 LOGPROB_METHODS = ("all_logits", "fused")
@@ -47,13 +49,15 @@ LOGPROB_METHODS = ("all_logits", "fused")
 
 @dataclass
 class Op:
-    """``make(tokens, device)`` -> the inputs, all taking gradients; ``ours`` and ``pytorch`` map them
-    to the output; ``fwd_elements`` / ``bwd_elements``: the least traffic of each direction."""
+    """``make(tokens, device)`` -> the inputs, the first ``leaves`` taking gradients (None: all);
+    ``ours`` and ``pytorch`` map them to the output; ``fwd_elements`` / ``bwd_elements``: the least
+    traffic of each direction."""
     make: Callable[[int, torch.device], Tuple[torch.Tensor, ...]]
     ours: Callable
     pytorch: Callable
     fwd_elements: Callable[[Tuple[torch.Tensor, ...]], int]
     bwd_elements: Callable[[Tuple[torch.Tensor, ...]], int]
+    leaves: Optional[int] = None
 
 
 def _randn(*shape, device):
@@ -69,9 +73,23 @@ def _rms_norm(*row_shape: int) -> Op:
     )
 
 
+def _rms_norm_rope(heads: int, head_dim: int) -> Op:
+    """Qwen3's q norm + RoPE on (tokens, 1, heads, head_dim), float32 weight and angles as the model
+    has them: x in, y out; x and dy in, dx out."""
+    def make(t, d):
+        freqs = torch.rand(t, 1, 1, head_dim, device=d) * 1000  # angles of any position
+        return _randn(t, 1, heads, head_dim, device=d), torch.ones(head_dim, device=d), freqs
+
+    return Op(
+        make, lambda x, w, f: rms_norm_rope_func(x, w, 1e-6, f), lambda x, w, f: rms_norm_rope_reference(x, w, 1e-6, f),
+        lambda xs: 2 * xs[0].numel(), lambda xs: 3 * xs[0].numel(), leaves=2,
+    )
+
+
 OPS = {
     "rms_norm": _rms_norm(HIDDEN),  # the layer's input / post-attention / post-MLP norms
     "rms_norm_heads": _rms_norm(HEADS, HEAD_DIM),  # the query/key norms, one row per token and head
+    "rms_norm_rope": _rms_norm_rope(QWEN3_HEADS, QWEN3_HEAD_DIM),  # Qwen3's q: norm, then RoPE
     # fc1's output (gate and linear halves) -> the MLP's activation; backward: dy in, both halves' grads out
     "geglu": Op(
         lambda t, d: (_randn(t, 2 * FFN, device=d),),
@@ -90,12 +108,13 @@ def implementation(op: Op, method: str) -> Callable:
 
 def measure(name: str, method: str, tokens: int, device: torch.device) -> dict:
     op = OPS[name]
-    inputs = [x.requires_grad_() for x in op.make(tokens, device)]
+    inputs = op.make(tokens, device)
+    leaves = [x.requires_grad_() for x in inputs[:op.leaves]]
     fn = implementation(op, method)
     dy = torch.randn_like(fn(*inputs))
 
     def fwd_bwd():
-        torch.autograd.grad(fn(*inputs), inputs, dy)
+        torch.autograd.grad(fn(*inputs), leaves, dy)
 
     with torch.no_grad():
         fwd_ms = bench(lambda: fn(*inputs))

@@ -43,6 +43,7 @@ from megatron_dualkv import DualKVLayout, TreeLayout  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func  # noqa: E402
+from megatron_dualkv.ops.rms_norm_rope import rms_norm_rope_func  # noqa: E402
 from megatron_dualkv.ops import row_gather_sum as row_gather  # noqa: E402
 
 HEAD_DIMS = (64, 96, 128, 192, 256, 512)
@@ -118,6 +119,7 @@ def elementwise_cases(dtype: torch.dtype):
     weight = torch.randn(256, dtype=dtype, requires_grad=True)
     rms_norm_func(x, weight, 1e-6).float().sum().backward()
     rms_norm_func(x, None, 1e-6, True).float().sum().backward()
+    rms_norm_rope_func(x, weight, 1e-6, torch.randn(5, 256)).float().sum().backward()
     geglu_func(torch.randn(5, 2 * 300, dtype=dtype, requires_grad=True)).float().sum().backward()
     row_gather.row_gather_sum(torch.randn(5 * 8, 1100, dtype=dtype), torch.randperm(5 * 8), 8)
 
@@ -134,7 +136,7 @@ def cases(head_dims, dtypes):
                 yield label, lambda d=d, dt=dtype, w=window, s=softcap, det=deterministic, lay=layout: attention_case(
                     d, dt, w, s, det, lay)
     for name, dtype in dtypes.items():
-        yield f"rms_norm, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
+        yield f"rms_norm, rms_norm_rope, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
 
 
 def main():

@@ -12,11 +12,12 @@ torch runs RMSNorm's backward as separate elementwise kernels (pow, mean, mul, .
 forward too where the weight's dtype is not the input's: these norms keep float32 weights beside
 bf16 activations (no ``Float16Module`` casts them). On the H200, 17 norms of a 4-layer Qwen3-8B
 step cost more than the forward attention, and a Qwen3-4B q norm (24,576 tokens x 32 heads x 128)
-took 1.8 ms forward where one pass over its bytes takes 0.12 (PERF_NOTES.md, run DU). ``FusedRMSNorm``
-compiles it (``torch.compile``, as Megatron's own ``jit_fuser``) on CUDA, giving one kernel per
-direction, also in forward-only passes and in the forwards that selective recompute runs without
-autograd; elsewhere it is torch's RMSNorm. Its output can be recomputed instead of
-kept (``RecomputableOutput``: the selective recompute of ``mcore.recompute``).
+took 1.8 ms forward where one pass over its bytes takes 0.12 (PERF_NOTES.md, run DU). On CUDA
+``FusedRMSNorm`` runs ``ops.rms_norm``: one Triton kernel per direction, in float32 with the
+weight's dtype as it comes, also in forward-only passes and in the forwards that selective
+recompute runs without autograd. (Compiling torch's norm did the same, but took a graph per stride,
+batch and grad mode: PERF_NOTES.md, run DV.) Elsewhere it is torch's RMSNorm. Its output can be
+recomputed instead of kept (``RecomputableOutput``: the selective recompute of ``mcore.recompute``).
 """
 from __future__ import annotations
 
@@ -29,27 +30,16 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..ops.rms_norm import rms_norm_func
 from .recompute import RecomputableOutput
 
 
-@torch.compile(dynamic=True)
-def _compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The compiled norm on x as contiguous rows [n, d]. torch.compile guards on strides and on a
-    batch of one, and past its limit of 8 graphs runs the eager ops (PERF_NOTES.md, run DV); as rows,
-    the layouts' batches and strides need no graphs of their own (views still do)."""
-    return _compiled_rms_norm(x.reshape(-1, x.size(-1)).contiguous(), weight, eps).view(x.shape)
-
-
 class FusedRMSNorm(RecomputableOutput, torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` with one fused kernel per direction on CUDA (the same math)."""
+    """``torch.nn.RMSNorm`` with one Triton kernel per direction on CUDA (float32 math, one rounding)."""
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.weight is not None and self.eps is not None:
-            return _rms_norm(x, self.weight, self.eps)
+            return rms_norm_func(x, self.weight, self.eps)
         return torch.nn.RMSNorm.forward(self, x)
 
 

@@ -13,8 +13,9 @@ Why:
   ``DualKVGPTModel`` hands RoPE one frequency row per token, so the rotation here applies them all
   at once through Megatron's ``[s, b, ...]`` path: the same rows, the same bits, no sync.
 - Where the norm is torch's RMSNorm (``FusedRMSNorm``: Qwen3) and the rotation the plain one over
-  the whole head, ``rms_norm_rope`` does both, compiled on CUDA into one kernel per direction. On
-  the CPU it runs the same ops as torch's norm and Megatron's rotation, in order: the same bits.
+  the whole head, ``ops.rms_norm_rope`` does both on CUDA, in one Triton kernel per direction that
+  reads k in place. On the CPU its reference runs the same ops as torch's norm and Megatron's
+  rotation, in order: the same bits.
 - With ``recompute_qk_norm_rope`` the function runs through ``checkpoint_without_output``. Autograd
   would keep, per token: the q norm's input (a copy: the query reshape ``[sq, b, ng, np/ng*hn] ->
   [sq, b, np, hn]`` cannot be a view of linear_qkv's output), RoPE's cos/sin, the norms' statistics,
@@ -44,6 +45,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from torch import Tensor
 
+from ..ops.rms_norm_rope import rms_norm_rope_func, rms_norm_rope_reference
 from .norms import FusedRMSNorm
 from .recompute import RecomputableQueryKey, Release, checkpoint_without_output
 
@@ -173,7 +175,7 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         if freqs is None:
             x = _normed(norm, x)
         elif per_token and self._fuses_norm_and_rope(norm, freqs, x):
-            x = (fused_rms_norm_rope if x.is_cuda else rms_norm_rope)(x, norm.weight, norm.eps, freqs, mscale)
+            x = (rms_norm_rope_func if x.is_cuda else rms_norm_rope_reference)(x, norm.weight, norm.eps, freqs, mscale)
         elif thd and not per_token:
             return rope(_normed(norm, x).squeeze(1), freqs, cu_seqlens=cu_seqlens)
         else:
@@ -182,39 +184,10 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
 
     def _fuses_norm_and_rope(self, norm, freqs: Tensor, x: Tensor) -> bool:
         """Whether the norm is torch's RMSNorm (``FusedRMSNorm``) and the rotation Megatron's plain
-        one over the whole head, which ``rms_norm_rope`` computes."""
+        one over the whole head, which ``rms_norm_rope_func`` computes."""
         plain_rope = not (self.config.rotary_interleaved or self.config.multi_latent_attention)
         return (type(norm) is FusedRMSNorm and norm.weight is not None and norm.eps is not None and plain_rope
                 and freqs.size(-1) == x.size(-1))
-
-
-def rms_norm_rope(x: Tensor, weight: Tensor, eps: float, freqs: Tensor, mscale: float) -> Tensor:
-    """RMSNorm over the last dim, then RoPE: the ops, in order, of torch's ``rms_norm`` and of
-    Megatron's unfused ``[s, b, ...]`` rotation over the whole head,
-    ``t * cos + rotate_half(t) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]`` and cos, sin (times
-    mscale) cast to x's dtype. x: [s, b, heads, d]; freqs: [s, 1, 1, d], broadcast over b and heads."""
-    x = torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
-    cos, sin = ((f(freqs) * mscale).to(x.dtype) for f in (torch.cos, torch.sin))
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    # Megatron's closing cat with the (empty) unrotated part: the gradient reaches the norm in the
-    # same memory layout, so that the weight's gradient sums in the same order (bitwise eager parity)
-    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, x[..., x.size(-1):]), dim=-1)
-
-
-# On CUDA one kernel per direction (torch.compile, as FusedRMSNorm): the eager ops pass over q's
-# bytes about eight times each way.
-_compiled_rms_norm_rope = torch.compile(rms_norm_rope, dynamic=True)
-
-
-def fused_rms_norm_rope(x: Tensor, weight: Tensor, eps: float, freqs: Tensor, mscale: float) -> Tensor:
-    """``rms_norm_rope`` compiled, on x as one contiguous [s, b * heads, d]. torch.compile guards on
-    strides, on a batch of one and on views, and past its limit of 8 graphs runs the eager ops
-    (PERF_NOTES.md, run DV). As rows, q, k (a strided view of linear_qkv's output) and both layouts'
-    batches take 6 graphs over the three grad modes: q stays a view, k is copied (a quarter of q's
-    bytes)."""
-    s, d = x.size(0), x.size(-1)
-    rows = x.reshape(s, -1, d).contiguous()
-    return _compiled_rms_norm_rope(rows, weight, eps, freqs.reshape(s, 1, d), mscale).view(x.shape)
 
 
 def _normed(norm, x: Tensor) -> Tensor:
