@@ -4,9 +4,10 @@ direction: Qwen3's q and k (the norm with a weight, then Megatron's plain rotati
 Written as PyTorch ops, the norm, the cos/sin tables, the halves' swap and the two products each
 pass over q's bytes, about eight times each way (PERF_NOTES.md, run DU). Here the forward reads x
 and writes the output once, and the backward reads x and the output's gradient and writes dx once.
-Unlike ``torch.compile`` (which this replaces; run DV), nothing compiles per shape, stride or grad
-mode: the kernels take any number of tokens and heads, and x as a strided view (k, a slice of
-linear_qkv's output, is read in place).
+Triton compiles each kernel once per dtype and a few properties of its integer arguments (a
+value of 1, divisibility by 16), not per shape, stride or grad mode as ``torch.compile`` did (which
+this replaces; run DV). x may be a strided view: k, a slice of linear_qkv's output, is read in
+place.
 
 Math per token t (frequencies f of d elements) and row x of d elements (one head), in float32:
     rstd = 1 / sqrt(mean(x^2) + eps),  x_hat = x * rstd,  y = x_hat * w
@@ -36,6 +37,19 @@ def _rotation(FREQS, t, cols, mask, HALF, mscale):
 
 
 @triton.jit
+def _heads(X, t, start, heads, stride_xt, stride_xh, cols, cmask, HALF, BLOCK_R: tl.constexpr):
+    """Rows start .. start + BLOCK_R of token t: their indices, mask, offsets in a contiguous
+    [tokens, heads, d] tensor, and both halves of x (read through its strides) in float32."""
+    rows = start + tl.arange(0, BLOCK_R)
+    mask = (rows[:, None] < heads) & cmask[None, :]
+    x_offs = t * stride_xt + rows.to(tl.int64)[:, None] * stride_xh + cols[None, :]
+    x1 = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    offs = (t * heads + rows.to(tl.int64))[:, None] * (2 * HALF) + cols[None, :]
+    return rows, mask, offs, x1, x2
+
+
+@triton.jit
 def _rms_norm_rope_fwd_kernel(X, W, FREQS, Y, RSTD, heads, stride_xt, stride_xh, HALF, eps, mscale,
                               BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # one program per token: its rotation, then its heads in blocks of BLOCK_R rows; Y is contiguous
@@ -46,15 +60,10 @@ def _rms_norm_rope_fwd_kernel(X, W, FREQS, Y, RSTD, heads, stride_xt, stride_xh,
     w1 = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     w2 = tl.load(W + HALF + cols, mask=cmask, other=0.0).to(tl.float32)
     for start in range(0, heads, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
-        mask = (rows[:, None] < heads) & cmask[None, :]
-        x_offs = t * stride_xt + rows.to(tl.int64)[:, None] * stride_xh + cols[None, :]
-        x1 = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(X + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+        rows, mask, y_offs, x1, x2 = _heads(X, t, start, heads, stride_xt, stride_xh, cols, cmask, HALF, BLOCK_R)
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
         y1 = x1 * rstd[:, None] * w1[None, :]
         y2 = x2 * rstd[:, None] * w2[None, :]
-        y_offs = (t * heads + rows.to(tl.int64))[:, None] * (2 * HALF) + cols[None, :]
         tl.store(Y + y_offs, (y1 * c1[None, :] - y2 * s1[None, :]).to(Y.dtype.element_ty), mask=mask)
         tl.store(Y + y_offs + HALF, (y2 * c2[None, :] + y1 * s2[None, :]).to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + t * heads + rows, rstd, mask=rows < heads)
@@ -75,12 +84,7 @@ def _rms_norm_rope_bwd_kernel(X, W, FREQS, DY, RSTD, DX, DW_PARTIAL, tokens, hea
     for t in range(pid.to(tl.int64), tokens, programs):  # int64: t * stride_xt may pass 2**31
         c1, s1, c2, s2 = _rotation(FREQS, t, cols, cmask, HALF, mscale)
         for start in range(0, heads, BLOCK_R):
-            rows = start + tl.arange(0, BLOCK_R)
-            mask = (rows[:, None] < heads) & cmask[None, :]
-            x_offs = t * stride_xt + rows.to(tl.int64)[:, None] * stride_xh + cols[None, :]
-            x1 = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(X + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
-            offs = (t * heads + rows.to(tl.int64))[:, None] * (2 * HALF) + cols[None, :]
+            rows, mask, offs, x1, x2 = _heads(X, t, start, heads, stride_xt, stride_xh, cols, cmask, HALF, BLOCK_R)
             o1 = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             o2 = tl.load(DY + offs + HALF, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + t * heads + rows, mask=rows < heads, other=0.0)[:, None]
