@@ -29,10 +29,15 @@ MAX_HEAD_DIM = 1024
 
 
 @triton.jit
+def _halves(P, mask, HALF):
+    """Both halves of a head in float32; P: the first half's pointers."""
+    return tl.load(P, mask=mask, other=0.0).to(tl.float32), tl.load(P + HALF, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rotation(FREQS, t, cols, mask, HALF, mscale):
     """(c1, s1, c2, s2) of token t: computed once per token, shared by all of its heads."""
-    f1 = tl.load(FREQS + t * 2 * HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    f2 = tl.load(FREQS + t * 2 * HALF + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    f1, f2 = _halves(FREQS + t * 2 * HALF + cols, mask, HALF)
     return tl.cos(f1) * mscale, tl.sin(f1) * mscale, tl.cos(f2) * mscale, tl.sin(f2) * mscale
 
 
@@ -43,8 +48,7 @@ def _heads(X, t, start, heads, stride_xt, stride_xh, cols, cmask, HALF, BLOCK_R:
     rows = start + tl.arange(0, BLOCK_R)
     mask = (rows[:, None] < heads) & cmask[None, :]
     x_offs = t * stride_xt + rows.to(tl.int64)[:, None] * stride_xh + cols[None, :]
-    x1 = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = _halves(X + x_offs, mask, HALF)
     offs = (t * heads + rows.to(tl.int64))[:, None] * (2 * HALF) + cols[None, :]
     return rows, mask, offs, x1, x2
 
@@ -57,8 +61,7 @@ def _rms_norm_rope_fwd_kernel(X, W, FREQS, Y, RSTD, heads, stride_xt, stride_xh,
     cols = tl.arange(0, BLOCK_HALF)
     cmask = cols < HALF
     c1, s1, c2, s2 = _rotation(FREQS, t, cols, cmask, HALF, mscale)
-    w1 = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    w2 = tl.load(W + HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+    w1, w2 = _halves(W + cols, cmask, HALF)
     for start in range(0, heads, BLOCK_R):
         rows, mask, y_offs, x1, x2 = _heads(X, t, start, heads, stride_xt, stride_xh, cols, cmask, HALF, BLOCK_R)
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
@@ -77,16 +80,14 @@ def _rms_norm_rope_bwd_kernel(X, W, FREQS, DY, RSTD, DX, DW_PARTIAL, tokens, hea
     pid, programs = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BLOCK_HALF)
     cmask = cols < HALF
-    w1 = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    w2 = tl.load(W + HALF + cols, mask=cmask, other=0.0).to(tl.float32)
+    w1, w2 = _halves(W + cols, cmask, HALF)
     dw1 = tl.zeros([BLOCK_HALF], tl.float32)
     dw2 = tl.zeros([BLOCK_HALF], tl.float32)
     for t in range(pid.to(tl.int64), tokens, programs):  # int64: t * stride_xt may pass 2**31
         c1, s1, c2, s2 = _rotation(FREQS, t, cols, cmask, HALF, mscale)
         for start in range(0, heads, BLOCK_R):
             rows, mask, offs, x1, x2 = _heads(X, t, start, heads, stride_xt, stride_xh, cols, cmask, HALF, BLOCK_R)
-            o1 = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-            o2 = tl.load(DY + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+            o1, o2 = _halves(DY + offs, mask, HALF)
             rstd = tl.load(RSTD + t * heads + rows, mask=rows < heads, other=0.0)[:, None]
             dy1 = o1 * c1[None, :] + o2 * s2[None, :]
             dy2 = o2 * c2[None, :] - o1 * s1[None, :]
