@@ -68,12 +68,13 @@ from tqdm import tqdm  # noqa: E402
 
 from megatron_dualkv import CostModel, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups  # noqa: E402
 from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
-from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
+from megatron_dualkv.mcore.parallel import FP8_TOKEN_MULTIPLE, current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import (  # noqa: E402
-    ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_model,
+    ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
+    weights_only,
 )
-from megatron_dualkv.models.builder import param_dtype  # noqa: E402
+from megatron_dualkv.models.builder import FP8_FORMATS, param_dtype, uses_transformer_engine  # noqa: E402
 from megatron_dualkv.rl import (  # noqa: E402
     DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
     ppo_updates,
@@ -85,6 +86,7 @@ DATA = Path(__file__).resolve().parent / "data"
 LOSSES = {"grpo": GRPOLoss(), "dapo": DAPOLoss()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 AUTO = "auto"  # --recompute and --max-tokens: chosen by the memory model
+TRANSFORMER_ENGINE = {"auto": None, "on": True, "off": False}  # --transformer-engine -> build_model's use_transformer_engine
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's name for the last saved step
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 # OptimizerParamScheduler.state_dict() fields -> the flags that set them (the other fields follow from these)
@@ -107,6 +109,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     group.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses)")
+    group.add_argument("--transformer-engine", choices=sorted(TRANSFORMER_ENGINE), default="auto",
+                       help="the layer spec: Transformer Engine's (on) or the torch-native local one (off); auto: TE's "
+                            "when transformer_engine imports and there is a GPU")
+    group.add_argument("--fp8", choices=["off", *FP8_FORMATS], default="off",
+                       help="Transformer Engine's linears in FP8 (e4m3, or hybrid: e5m2 gradients), current scaling; "
+                            "attention stays in bf16. Needs the TE spec, a GPU with FP8 (Ada, Hopper) and bf16")
     group.add_argument("--layout", choices=["packed", "replicated"], default="packed")
     group.add_argument("--recompute", choices=["none", "selective", "full", "auto"], default="none",
                        help="activation recompute (build_model's recompute); auto: the least that fits the GPU "
@@ -181,6 +189,10 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
             yield f"--{name.replace('_', '-')} must be >= 1"
     if AUTO in (args.recompute, args.max_tokens) and args.layout != "packed":
         yield "--recompute auto and --max-tokens auto size packed micro-batches; pass both for --layout replicated"
+    if args.fp8 != "off" and args.transformer_engine == "off":
+        yield f"--fp8 {args.fp8} runs Transformer Engine's linears in FP8: pass --transformer-engine on (or auto)"
+    if args.fp8 != "off" and args.dtype == "float32":
+        yield f"--fp8 {args.fp8} trains bf16 parameters with FP8 matmuls: pass --dtype bfloat16"
     if args.recompute == AUTO and args.recompute_layers is not None:
         yield "--recompute-layers is --recompute auto's to choose: pass one or the other"
     if margin_problem := memory_margin_problem(args.memory_margin):
@@ -278,7 +290,8 @@ def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[F
     world = int(os.environ.get("WORLD_SIZE", 1))
     memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
                                   dp=max(1, world // sizes.model_ranks), distributed_optimizer=args.use_distributed_optimizer,
-                                  ref_model=args.ref_load is not None)
+                                  ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
+                                  fp8=args.fp8 != "off")
     whole, longest, responses = packed_sizes(groups)
     setting = {} if args.recompute == AUTO else dict(recompute=args.recompute, recompute_layers=args.recompute_layers)
     budget = device_budget(margin=args.memory_margin)
@@ -286,7 +299,7 @@ def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[F
     for need in fits:
         try:
             # a pipeline's first stage holds pp micro-batches at once (1F1B), however many a step has
-            fit = memory.fit(budget, need, responses, num_micro_batches=sizes.pp, multiple=sizes.token_multiple,
+            fit = memory.fit(budget, need, responses, num_micro_batches=sizes.pp, multiple=_token_multiple(args, sizes),
                              **setting)
             break
         except ValueError as err:
@@ -297,6 +310,10 @@ def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[F
     if args.max_tokens == AUTO:
         args.max_tokens = fit.tokens
     return fit
+
+
+def _token_multiple(args: argparse.Namespace, sizes: ParallelSizes) -> int:
+    return sizes.token_multiple * (FP8_TOKEN_MULTIPLE if args.fp8 != "off" else 1)
 
 
 def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
@@ -328,7 +345,7 @@ def build_policy(args: argparse.Namespace) -> Policy:
         raise InputError(f"{args.model} is {config.params_dtype}: Megatron's mixed-precision optimizer needs CUDA; pass --dtype float32")
     vocab_size = model.unpadded_vocab_size  # what token ids are checked against
     cost = CostModel.from_config(config, model.vocab_size)  # the output layer computes its padded rows too
-    token_multiple = current_parallel_sizes(config).token_multiple
+    token_multiple = micro_batch_token_multiple(config)
     # No Float16Module around a bf16 model: it would upcast the last stage's output (the final
     # hidden states, [tokens, hidden]) to fp32, which the log-prob code casts back to bf16.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
@@ -369,7 +386,22 @@ def build_lr_scheduler(optimizer, args: argparse.Namespace) -> OptimizerParamSch
 
 def _model_kwargs(args: argparse.Namespace) -> dict:
     return dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dtype=DTYPES[args.dtype] if args.dtype else None,
-                seed=args.seed)
+                seed=args.seed, use_transformer_engine=_transformer_engine(args), fp8=None if args.fp8 == "off" else args.fp8)
+
+
+def _transformer_engine(args: argparse.Namespace) -> bool:
+    """Whether the run builds the Transformer Engine spec (--transformer-engine, checked)."""
+    try:
+        return uses_transformer_engine(TRANSFORMER_ENGINE[args.transformer_engine])
+    except (ImportError, ValueError) as err:
+        raise InputError(f"--transformer-engine {args.transformer_engine}: {err}") from None
+
+
+def spec_name(args: argparse.Namespace) -> str:
+    """The layer spec the run builds, as its first line names it."""
+    if not _transformer_engine(args):
+        return "local"
+    return "transformer-engine" + ("" if args.fp8 == "off" else f" fp8 {args.fp8}")
 
 
 def _build_or_load_model(args: argparse.Namespace):
@@ -701,7 +733,9 @@ def log_step(log: RunLog, step: int, stats: StepStats, ppo: PPOSchedule, peak_tf
 def _sharded_state_dict(policy: Policy, step: int, is_loading: bool) -> dict:
     model = policy.model.module.sharded_state_dict()
     return {
-        "model": model,
+        # Loading asks for the weights alone: the checkpoint of a run of the other layer spec has no
+        # Transformer Engine ``_extra_state`` (FP8 scaling state, which current scaling does not keep)
+        "model": weights_only(model) if is_loading else model,
         "optimizer": policy.optimizer.sharded_state_dict(model, is_loading=is_loading),
         "opt_param_scheduler": policy.scheduler.state_dict(),  # Megatron's key for it
         "step": step,
@@ -763,7 +797,7 @@ def load_checkpoint(directory: Path, policy: Policy) -> int:
         )
     _check_same_schedule(common["opt_param_scheduler"], policy.scheduler.state_dict(), directory)
     state = dist_checkpointing.load(_sharded_state_dict(policy, common["step"], is_loading=True), str(path))
-    policy.model.module.load_state_dict(state["model"])
+    load_megatron_state_dict(policy.model.module, state["model"])
     policy.optimizer.load_state_dict(state["optimizer"])
     policy.scheduler.load_state_dict(common["opt_param_scheduler"])
     return state["step"]
@@ -794,7 +828,8 @@ def train(args: argparse.Namespace) -> None:
     loss_fn, ppo = make_loss(args), PPOSchedule(args.mini_batches, args.ppo_epochs)
     if rank0:
         params = sum(p.numel() for p in policy.model.module.parameters())
-        print(f"model {args.model} ({params:,} parameters on rank 0) | layout {args.layout} | loss {args.loss} | "
+        print(f"model {args.model} ({params:,} parameters on rank 0) | spec {spec_name(args)} | layout {args.layout} | "
+              f"loss {args.loss} | "
               f"world {dist.get_world_size()} (tp {args.tp} pp {args.pp} ep {args.ep} cp {args.cp}, "
               f"dp {parallel_state.get_data_parallel_world_size()}) | "
               + (f"{len(groups)} rollout groups" if rollouts.trajectories is None

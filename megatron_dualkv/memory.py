@@ -22,7 +22,7 @@ a change to a spec that saves other tensors must change them too (``tests/test_m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -134,10 +134,33 @@ class SavedTensor:
     bytes_per_element: int = 2
     split: str = "tp"
     freed_by: Optional[str] = None
+    fp8_linear_input: bool = False
+    """Kept only for a linear's backward: under FP8 that linear (Transformer Engine's) keeps a 1-byte
+    copy instead, whatever the recompute."""
+
+    def under_fp8(self) -> "SavedTensor":
+        if not self.fp8_linear_input:
+            return self
+        return replace(self, name=self.name + " (its FP8 copy)", bytes_per_element=1, freed_by=None)
 
 
-def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[SavedTensor]:
-    """What one layer of our specs keeps for its backward, per token (bf16 unless said)."""
+def layer_tensors(config, layer_number: int, layout: str = "packed", transformer_engine: bool = False,
+                  fp8: bool = False) -> List[SavedTensor]:
+    """What one layer of our specs keeps for its backward, per token (bf16 unless said).
+
+    transformer_engine: the TE spec (``dualkv_te_block_spec``, ``gemma_block_spec``), which keeps the
+    same tensors but for TE's experts' activation; fp8: its linears in FP8 (``SavedTensor.under_fp8``).
+    A norm fused into TE's linear keeps its input and output as ours do; where selective recompute
+    frees the output, the norm is ours."""
+    tensors = _layer_tensors(config, layer_number, layout, transformer_engine)
+    if fp8:
+        tensors = [t.under_fp8() for t in tensors]
+        heads_d = _layer_config(config, layer_number).num_attention_heads * _layer_config(config, layer_number).kv_channels
+        tensors.append(SavedTensor("linear_proj's FP8 copy of the attention output", heads_d, 1))
+    return tensors
+
+
+def _layer_tensors(config, layer_number: int, layout: str, transformer_engine: bool) -> List[SavedTensor]:
     layer = _layer_config(config, layer_number)
     h, d = config.hidden_size, layer.kv_channels
     heads, groups = layer.num_attention_heads, layer.num_query_groups
@@ -145,7 +168,7 @@ def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[Sav
     values = 0 if _keys_are_values(config, layer_number) else groups
     tensors = [
         SavedTensor("input norm: its input (the residual stream)", h, b, "seq"),
-        SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "selective"),
+        SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "selective", fp8_linear_input=True),
         # Megatron's query reshape copies q out of linear_qkv's output; k and v stay views of it,
         # so the k norm's saved input keeps the whole output alive. "selective" recomputes q and k
         # (reshape, norm, RoPE) from their views of that output, which v keeps alive anyway.
@@ -172,16 +195,21 @@ def layer_tensors(config, layer_number: int, layout: str = "packed") -> List[Sav
         k, f, experts = config.moe_router_topk, config.moe_ffn_hidden_size, config.num_moe_experts
         tensors += [
             SavedTensor("router: scores, top-k and the load-balancing statistics (fp32)", experts + 10 * k, 4, "seq"),
-            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "routed"),
+            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "routed", fp8_linear_input=True),
             SavedTensor("experts' fc1 output, the activation's input", k * gated * f, b, "routed_ffn"),
-            SavedTensor("experts' SwiGLU: silu(gate), its product, the weighted activation", 3 * k * f, b, "routed_ffn",
-                        "selective"),
         ]
+        if transformer_engine:  # Megatron's weighted SwiGLU keeps its input; fc2 keeps its output
+            tensors.append(SavedTensor("experts' activation, fc2's input", k * f, b, "routed_ffn", "selective",
+                                       fp8_linear_input=True))
+        else:
+            tensors.append(SavedTensor("experts' SwiGLU: silu(gate), its product, the weighted activation", 3 * k * f, b,
+                                       "routed_ffn", "selective"))
     else:
         f = config.ffn_hidden_size
+        tensors[-1] = replace(tensors[-1], fp8_linear_input=True)  # the pre-MLP norm's output: fc1's input
         tensors += [
             SavedTensor("fc1 output, the activation's input", gated * f, b),
-            SavedTensor("activation output, fc2's input", f, b, "tp", "selective"),
+            SavedTensor("activation output, fc2's input", f, b, "tp", "selective", fp8_linear_input=True),
         ]
     return tensors
 
@@ -192,13 +220,16 @@ def _per_token_bytes(tensors: Sequence[SavedTensor], sizes: ParallelSizes, drop:
                if drop is None or t.freed_by != drop) / sizes.cp
 
 
-def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode: str, layout: str = "packed") -> float:
+def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode: str, layout: str = "packed",
+                           transformer_engine: bool = False, fp8: bool = False) -> float:
     """Bytes per micro-batch token that one layer keeps until its backward, under recompute ``mode``
-    ("none", "selective", or "full": the layer recomputed whole, keeping its input)."""
+    ("none", "selective", or "full": the layer recomputed whole, keeping its input); the spec as
+    ``layer_tensors`` takes it."""
     if mode == "full":
         b = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
         return config.hidden_size * b / (sizes.tp if sizes.sp else 1) / sizes.cp
-    return _per_token_bytes(layer_tensors(config, layer_number, layout), sizes, "selective" if mode == "selective" else None)
+    tensors = layer_tensors(config, layer_number, layout, transformer_engine, fp8)
+    return _per_token_bytes(tensors, sizes, "selective" if mode == "selective" else None)
 
 
 def _check_recompute(mode: str, layers: Optional[int], max_layers: int) -> None:
@@ -253,13 +284,16 @@ class MemoryModel:
     dp: int = 1
     distributed_optimizer: bool = False
     ref_model: bool = False
+    transformer_engine: bool = False
+    fp8: bool = False
 
     @classmethod
     def for_card(cls, card, sizes: ParallelSizes = ParallelSizes(), dtype: torch.dtype = torch.bfloat16, dp: int = 1,
                  distributed_optimizer: bool = False, ref_model: bool = False, make_vocab_size_divisible_by: int = 128,
-                 **overrides) -> "MemoryModel":
+                 transformer_engine: bool = False, fp8: bool = False, **overrides) -> "MemoryModel":
         """The model of a card (name, file or ``ModelCard``) as ``build_model`` would build it, without
-        building it: ``overrides`` are ``build_model``'s config overrides (recompute is ``predict``'s)."""
+        building it: ``overrides`` are ``build_model``'s config overrides (recompute is ``predict``'s);
+        transformer_engine, fp8: its layer spec (``layer_tensors``)."""
         from .models.builder import build_transformer_config, family_of
         from .models.cards import load_card
 
@@ -269,7 +303,7 @@ class MemoryModel:
         kwargs = family.gpt_model_kwargs(card)
         vocab_size = padded_vocab_size(kwargs["vocab_size"], sizes.tp, make_vocab_size_divisible_by)
         return cls(config, vocab_size, bool(kwargs.get("share_embeddings_and_output_weights")), sizes, dp,
-                   distributed_optimizer, ref_model)
+                   distributed_optimizer, ref_model, transformer_engine, fp8)
 
     # ---------------------------------------------------------------- static
     def static_parts(self, pp_rank: int = 0) -> Dict[str, float]:
@@ -288,7 +322,14 @@ class MemoryModel:
         }
         if self.ref_model:
             parts["reference model"] = params.total * 2
+        if self.fp8:
+            # TE caches each linear's FP8 weight and its transpose (Hopper's FP8 matmuls read both layouts)
+            parts["FP8 weight copies"] = 2 * params.total
         return parts
+
+    @property
+    def _spec(self) -> Tuple[bool, bool]:
+        return self.transformer_engine, self.fp8
 
     def _expert_dp(self) -> int:
         return max(1, self.dp * self.sizes.tp * self.sizes.cp // (self.sizes.ep * self.sizes.etp))
@@ -300,7 +341,7 @@ class MemoryModel:
         total = 0.0
         for layers in chunk_layers(self.config, self.sizes, pp_rank):
             for number, layer_mode in zip(layers, layer_modes(mode, recompute_layers, layers)):
-                total += layer_activation_bytes(self.config, number, self.sizes, layer_mode, layout)
+                total += layer_activation_bytes(self.config, number, self.sizes, layer_mode, layout, *self._spec)
         return total
 
     def in_flight_micro_batches(self, num_micro_batches: int, pp_rank: int = 0) -> float:
@@ -323,10 +364,10 @@ class MemoryModel:
         sizes, config = self.sizes, self.config
         local_tokens = tokens / sizes.cp
         layers = [n for chunk in chunk_layers(self.config, self.sizes, pp_rank) for n in chunk]
-        widest = max(layers, key=lambda n: layer_activation_bytes(config, n, sizes, "none", layout))
-        none_bytes = layer_activation_bytes(config, widest, sizes, "none", layout) * tokens
+        widest = max(layers, key=lambda n: layer_activation_bytes(config, n, sizes, "none", layout, *self._spec))
+        none_bytes = layer_activation_bytes(config, widest, sizes, "none", layout, *self._spec) * tokens
         deepest = "full" if mode == "full" or recompute_layers else mode
-        held = layer_activation_bytes(config, widest, sizes, deepest, layout) * tokens
+        held = layer_activation_bytes(config, widest, sizes, deepest, layout, *self._spec) * tokens
         # a layer's backward needs gradients about as large as the activations it differentiates, and a
         # recomputed layer holds what it dropped again during its own backward
         transient = GRADIENT_FACTOR * none_bytes + (none_bytes - held)
@@ -363,9 +404,12 @@ class MemoryModel:
 
     def recompute_ladder(self) -> List[Tuple[str, Optional[int]]]:
         """Recompute settings from the cheapest to the one that saves the most memory: none, selective,
-        selective with the first 1, 2, ... layers of each stage fully recomputed, full."""
+        selective with the first 1, 2, ... layers of each stage fully recomputed (not for Transformer
+        Engine's experts), full."""
         layers = self._min_chunk_layers()
-        return [("none", None), ("selective", None)] + [("selective", n) for n in range(1, layers)] + [("full", None)]
+        # Transformer Engine's grouped experts recompute their activation without recompute_layers only
+        partial = [] if self.transformer_engine and any(moe_layer_flags(self.config)) else range(1, layers)
+        return [("none", None), ("selective", None)] + [("selective", n) for n in partial] + [("full", None)]
 
     def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
             recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,

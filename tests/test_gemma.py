@@ -136,11 +136,6 @@ def test_unsupported_cards_are_refused(base, fields, message):
         model_kwargs_of(custom)
 
 
-def test_gemma_has_no_transformer_engine_spec():
-    with pytest.raises(NotImplementedError, match="use_transformer_engine=False"):
-        build_model("gemma3-tiny", use_transformer_engine=True)
-
-
 @pytest.fixture(scope="module", params=["gemma3-tiny", "gemma4-tiny"])
 def model(request):
     return build_model(request.param)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dualkv.mcore import ParallelSizes
+from megatron_dualkv.mcore import ParallelSizes, transformer_engine_available
 from megatron_dualkv.memory import layer_activation_bytes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' saved tensors are the GPU's")
@@ -21,11 +21,15 @@ def probe():
     return module
 
 
+SPECS = [(False, None)] + [(True, None), (True, "e4m3")] * transformer_engine_available()
+
+
+@pytest.mark.parametrize("transformer_engine, fp8", SPECS, ids=[f"te={te}-fp8={fp8}" for te, fp8 in SPECS])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("card", ["qwen3-4b", "gemma3-4b"])
-def test_one_layer_keeps_what_the_model_counts(card, mode):
-    tool, tokens = probe(), 8192
-    one, _ = tool.held_after_forward(card, 1, mode, tokens, torch.bfloat16)
-    two, config = tool.held_after_forward(card, 2, mode, tokens, torch.bfloat16)
-    predicted = layer_activation_bytes(config, 2, ParallelSizes(), mode)
+def test_one_layer_keeps_what_the_model_counts(card, mode, transformer_engine, fp8):
+    tool, tokens, spec = probe(), 8192, dict(transformer_engine=transformer_engine, fp8=fp8)
+    one, _ = tool.held_after_forward(card, 1, mode, tokens, torch.bfloat16, **spec)
+    two, config = tool.held_after_forward(card, 2, mode, tokens, torch.bfloat16, **spec)
+    predicted = layer_activation_bytes(config, 2, ParallelSizes(), mode, "packed", transformer_engine, fp8 is not None)
     assert (two - one) / tokens == pytest.approx(predicted, rel=0.05)

@@ -239,8 +239,6 @@ def test_megatron_module_recompute_runs_without_transformer_engine(card, module)
     (dict(recompute="none", recompute_layers=1), "needs recompute='selective' or 'full'"),
     (dict(recompute="selective", recompute_granularity="full"), "do not also pass recompute_granularity"),
     (dict(recompute="full", recompute_norms=True), "do not also pass recompute_norms"),
-    (dict(recompute="selective", use_transformer_engine=True),
-     "recompute_norms, recompute_qk_norm_rope, recompute_activations .* Transf"),
     (dict(recompute="selective", attention_output_gate=True),
      "recompute_qk_norm_rope: the attention runs without attention_output_gate"),
     (dict(recompute="selective", normalization="LayerNorm"), "recompute_norms: layer 1's input_layernorm is a Layer"),

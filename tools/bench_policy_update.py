@@ -38,6 +38,7 @@ import argparse
 import csv
 import gc
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -96,6 +97,12 @@ class Result:
     recompute_flops: float = 0.0  # FLOPs recompute adds, over the layout's useful FLOPs
     predicted_gib: float = 0.0  # the memory model's peak for the setting (--full-depth)
     workload: str = "group"  # "group": one prompt and N responses; "agent": --agent's trajectories
+    spec: str = "local"  # the layer spec, as the launch script's first line names it
+
+    @property
+    def name(self) -> str:
+        """The model, and its layer spec where it is not the local one."""
+        return self.model if self.spec == "local" else f"{self.model} ({self.spec})"
 
 
 def layer_card(card: str, layers: int, directory: Path) -> Path:
@@ -229,7 +236,7 @@ def policy_args(card: Path, args, recompute: str = "none", recompute_layers: int
     layers = ["--recompute-layers", str(recompute_layers)] if recompute_layers else []
     return policy_update.parse_args([
         "--model", str(card), "--dtype", args.dtype, "--lr", "1e-6", "--clip-grad", "0" if args.device == "cpu" else "1.0",
-        "--recompute", recompute, *layers,
+        "--recompute", recompute, *layers, "--transformer-engine", args.transformer_engine, "--fp8", args.fp8,
     ])
 
 
@@ -319,7 +326,10 @@ class PolicyCache:
 
 def planning_models(card: str, args):
     """(memory model, cost model, memory budget) of a full-depth card on this device."""
-    memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype])
+    memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype],
+                                  transformer_engine=policy_update.uses_transformer_engine(
+                                      policy_update.TRANSFORMER_ENGINE[args.transformer_engine]),
+                                  fp8=args.fp8 != "off")
     budget = device_budget(margin=args.memory_margin) if args.device == "cuda" else CPU_BUDGET_GIB * GIB
     return memory, CostModel.from_config(memory.config, memory.vocab_size), budget
 
@@ -334,8 +344,10 @@ def bench_full_depth(card: str, workloads, args, peak_tflops: float) -> List[Res
         group = rollout_group(n, p, r, vocab_size, seed=n)
         pair = [run_best_setting(policies, memory, cost, group, Result(card, memory.config.num_layers, n, p, r, layout),
                                  budget, repeats, peak_tflops)
-                for layout, repeats in (("packed", args.repeats), ("replicated", args.replicated_repeats or args.repeats))]
-        pair[0].speedup = pair[1].step_s / pair[0].step_s
+                for layout, repeats in (("packed", args.repeats), ("replicated", args.replicated_repeats or args.repeats))
+                if layout in args.layouts]
+        if len(pair) == 2:
+            pair[0].speedup = pair[1].step_s / pair[0].step_s
         results += pair
         for result in pair:
             print(row(result), flush=True)
@@ -438,17 +450,17 @@ def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
     return results
 
 
-COLUMNS = ["model", "N", "P", "R", "layout", "mb resp", "mb tokens", "mbs", "recompute", "step s", "tok/s", "TFLOP/s",
+COLUMNS = ["model", "spec", "N", "P", "R", "layout", "mb resp", "mb tokens", "mbs", "recompute", "step s", "tok/s", "TFLOP/s",
            "MFU", "recompute FLOPs", "peak GiB", "predicted GiB", "speedup"]
 
 
 def row(result: Result) -> str:
     recompute = result.recompute + (f"+{result.recompute_layers}" if result.recompute_layers else "")
-    cells = [result.model, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
+    cells = [result.model, result.spec, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
              result.micro_batch_tokens, result.micro_batches, recompute, f"{result.step_s:.4g}",
              f"{result.tokens_per_s:,.0f}", f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%",
              f"+{100 * result.recompute_flops:.1f}%", f"{result.peak_gib:.1f}", f"{result.predicted_gib:.1f}",
-             "" if result.layout == "replicated" else f"{result.speedup:.2f}x"]
+             "" if result.layout == "replicated" or math.isnan(result.speedup) else f"{result.speedup:.2f}x"]
     return " | ".join(str(c) for c in cells)
 
 
@@ -463,15 +475,15 @@ def read_results(path: Path) -> List[Result]:
 def updated(old: List[Result], new: List[Result]) -> List[Result]:
     """``old`` with the rows of every model in ``new`` replaced by ``new``'s, in place; models not in
     ``old`` go at the end."""
-    remeasured = {r.model for r in new}
+    remeasured = {(r.model, r.spec) for r in new}
     rows, done = [], set()
     for r in old:
-        if r.model not in remeasured:
+        if (r.model, r.spec) not in remeasured:
             rows.append(r)
-        elif r.model not in done:
-            rows += [n for n in new if n.model == r.model]
-            done.add(r.model)
-    return rows + [n for n in new if n.model not in done]
+        elif (r.model, r.spec) not in done:
+            rows += [n for n in new if (n.model, n.spec) == (r.model, r.spec)]
+            done.add((r.model, r.spec))
+    return rows + [n for n in new if (n.model, n.spec) not in done]
 
 
 def write_csv(results: List[Result], path: Path) -> None:
@@ -490,15 +502,16 @@ def plot(results: List[Result], path: Path, baseline: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = sorted({(r.model, r.n, r.p, r.r) for r in results}, key=str)
+    labels = sorted({(r.name, r.n, r.p, r.r) for r in results}, key=str)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.38
     for offset, layout in ((-width / 2, "packed"), (width / 2, "replicated")):
-        by_label = {(r.model, r.n, r.p, r.r): r for r in results if r.layout == layout}
+        by_label = {(r.name, r.n, r.p, r.r): r for r in results if r.layout == layout}
         xs = [i + offset for i in range(len(labels))]
         name = "DualKV packed" if layout == "packed" else f"replicated, {baseline}"
-        axes[0].bar(xs, [by_label[label].tokens_per_s for label in labels], width, label=name)
-        axes[1].bar(xs, [100 * by_label[label].mfu for label in labels], width, label=name)
+        missing = Result("", 0, 0, 0, 0, layout)  # a layout not measured: no bar
+        axes[0].bar(xs, [by_label.get(label, missing).tokens_per_s for label in labels], width, label=name)
+        axes[1].bar(xs, [100 * by_label.get(label, missing).mfu for label in labels], width, label=name)
     for ax, title in zip(axes, ("rollout tokens / s (policy-update step)", f"MFU % (matmul peak {' / '.join(peaks)} TFLOP/s)")):
         ax.set_xticks(range(len(labels)), [f"{m}\n{n} x {p} x {r}" for m, n, p, r in labels], fontsize=7)
         ax.set_title(title)
@@ -511,7 +524,9 @@ def model_flags(args, name: str, out: Path) -> List[str]:
     """The flags of this run for model ``name`` alone, writing into ``out``."""
     flags = ["--device", args.device, "--dense-layers", str(args.dense_layers), "--moe-layers", str(args.moe_layers),
              "--repeats", str(args.repeats), "--models", name, "--out", str(out),
-             "--memory-margin", str(args.memory_margin)]
+             "--memory-margin", str(args.memory_margin), "--transformer-engine", args.transformer_engine,
+             "--fp8", args.fp8, "--layouts", ",".join(args.layouts)] + (
+                 ["--workloads", args.workloads] if args.workloads else [])
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
         "--agent"] * args.agent + ["--verbose"] * args.verbose
@@ -551,8 +566,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--update", type=Path, metavar="CSV",
                         help="instead of writing into --out: replace the measured models' rows of this table")
+    parser.add_argument("--transformer-engine", choices=sorted(policy_update.TRANSFORMER_ENGINE), default="auto",
+                        help="the layer spec, as the launch script's flag (a column of the table)")
+    parser.add_argument("--fp8", choices=["off", *policy_update.FP8_FORMATS], default="off",
+                        help="Transformer Engine's linears in FP8, as the launch script's flag")
+    parser.add_argument("--workloads", default=None,
+                        help="comma list of the model's workloads to measure, as NxPxR (default: all of them)")
+    parser.add_argument("--layouts", default="packed,replicated",
+                        help="--full-depth: the layouts to measure (comma list; the speedup needs both)")
     add_verbose_flag(parser)  # the launch script, imported above, hid them
     args = parser.parse_args(argv)
+    args.layouts = comma_names(parser, "--layouts", args.layouts, ("packed", "replicated"))
     models = model_workloads(args)
     model_names = comma_names(parser, "--models", args.models or ",".join(models), models)
     if args.update is not None and not args.update.is_file():
@@ -583,6 +607,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if not args.full_depth:
             card = layer_card(card, layers, Path(tmp))
         workloads = models[name] if args.full_depth else (TINY_WORKLOADS if args.tiny else WORKLOADS)
+        if args.workloads:
+            workloads = [w for w in workloads if "x".join(map(str, w)) in args.workloads]
         if args.profile:
             setting = candidate_settings(*planning_models(card, args), workloads[0], "packed") if args.full_depth else None
             profile_step(card, workloads[0], args, setting[0] if setting else None)
@@ -593,6 +619,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             results = bench_full_depth(card, workloads, args, peak)
         else:
             results = bench_model(card, layers, workloads, args, peak)
+    for result in results:
+        result.spec = policy_update.spec_name(args)
     write_results(results, args)
 
 

@@ -2,6 +2,7 @@
 
     python tools/probe_activation_memory.py --cards qwen3-4b,gemma3-4b --tokens 8192   # on the GPU
     python tools/probe_activation_memory.py --cards qwen3-tiny --tokens 256            # CPU dry run
+    python tools/probe_activation_memory.py --transformer-engine --fp8 e4m3            # the TE spec, FP8 linears
 
 For each card and recompute mode: models of one and of two layers (the card's first layers) run the
 forward of a packed micro-batch with autograd on; the memory allocated after the forward, minus before,
@@ -33,9 +34,12 @@ from megatron_dualkv.rl.logprobs import model_output  # noqa: E402
 MODES = ("none", "selective", "full")
 
 
-def held_after_forward(card: str, layers: int, mode: str, tokens: int, dtype) -> tuple:
-    """(bytes allocated after a forward minus before, the model's config)."""
-    model = build_model(card, num_layers=layers, recompute=mode, dtype=dtype)
+def held_after_forward(card: str, layers: int, mode: str, tokens: int, dtype, transformer_engine: bool = False,
+                       fp8=None) -> tuple:
+    """(bytes allocated after a forward minus before, the model's config); the layer spec as
+    ``build_model``'s ``use_transformer_engine`` and ``fp8`` (tokens: a multiple of 16 for FP8)."""
+    model = build_model(card, num_layers=layers, recompute=mode, dtype=dtype, use_transformer_engine=transformer_engine,
+                        fp8=fp8)
     vocab = model.unpadded_vocab_size
     prompt = tokens // 2
     group = RolloutGroup(list(torch.randint(3, vocab, (prompt,)).tolist()),
@@ -64,6 +68,8 @@ def main() -> None:
     parser.add_argument("--cards", default="qwen3-4b,gemma3-4b")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--transformer-engine", action="store_true", help="the TE spec (default: the local one)")
+    parser.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None, help="with --transformer-engine: FP8 linears")
     parser.add_argument("--out", default=".")
     add_verbose_flag(parser)
     args = parser.parse_args()
@@ -71,13 +77,17 @@ def main() -> None:
     rows = []
     for card in args.cards.split(","):
         for mode in args.modes.split(","):
-            one, _ = held_after_forward(card, 1, mode, args.tokens, dtype)
-            two, config = held_after_forward(card, 2, mode, args.tokens, dtype)
+            spec = dict(transformer_engine=args.transformer_engine, fp8=args.fp8)
+            one, _ = held_after_forward(card, 1, mode, args.tokens, dtype, **spec)
+            two, config = held_after_forward(card, 2, mode, args.tokens, dtype, **spec)
             measured = (two - one) / args.tokens
-            predicted = layer_activation_bytes(config, 2, current_parallel_sizes(config), mode)
+            predicted = layer_activation_bytes(config, 2, current_parallel_sizes(config), mode, "packed",
+                                               args.transformer_engine, args.fp8 is not None)
             rows.append(dict(card=card, mode=mode, measured=measured, predicted=predicted,
                              deviation=100 * (predicted - measured) / measured))
-    print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {args.tokens} tokens, {dtype}")
+    spec = ("Transformer Engine" + (f", fp8 {args.fp8}" if args.fp8 else "")) if args.transformer_engine else "local"
+    print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {args.tokens} tokens, {dtype}, "
+          f"{spec} spec")
     os.makedirs(args.out, exist_ok=True)
     write_table(rows, os.path.join(args.out, "activation_memory.csv"), [
         ("card", "card", "12"), ("mode", "mode", "10"), ("measured", "B/token/layer", "13.0f"),

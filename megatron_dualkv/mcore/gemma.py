@@ -6,7 +6,8 @@ Built from subclasses and a ``ModuleSpec``, never by editing Megatron (transform
 * ``GemmaRMSNorm``: RMSNorm computed in float32, weight ``1 + w`` (Gemma 3, zero-centred, which is
   ``layernorm_zero_centered_gamma``) or ``w`` (Gemma 4), or no weight (Gemma 4's value norm); on
   GPU one Triton kernel per direction (``ops/rms_norm.py``).
-* ``PostNormRowParallelLinear``: a row-parallel linear followed by a norm of its reduced output.
+* ``PostNormRowParallelLinear`` (``PostNorm`` on Megatron's or Transformer Engine's linear): a
+  row-parallel linear followed by a norm of its reduced output.
   As ``linear_proj`` it is Gemma's post-attention norm, as ``linear_fc2`` its post-feedforward
   norm: the norms sit between the sublayer and its residual add, where ``TransformerLayer`` has
   no slot.
@@ -40,6 +41,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -54,6 +56,7 @@ from .attention import DualKVAttention
 from .config import DualKVTransformerConfig
 from .glu import plain_gated_linear_unit
 from .gpt_model import DualKVGPTModel
+from .layer_specs import require_transformer_engine
 from .mlp import DualKVMLP
 from .recompute import DualKVTransformerLayer, RecomputableOutput
 from .self_attention import DualKVSelfAttention
@@ -124,18 +127,34 @@ class GemmaRMSNorm(RecomputableOutput):
         return norm(x, self.weight, self.eps, self.zero_centered)
 
 
-class PostNormRowParallelLinear(RowParallelLinear):
-    """``RowParallelLinear`` whose (tensor-parallel reduced) output goes through a ``GemmaRMSNorm``."""
+class PostNorm:
+    """Mixin of a row-parallel linear whose (tensor-parallel reduced) output goes through a ``GemmaRMSNorm``."""
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, bias: bool, **kwargs):
         if bias:
-            raise ValueError("PostNormRowParallelLinear has no bias: the norm would have to follow the bias add")
+            raise ValueError(f"{type(self).__name__} has no bias: the norm would have to follow the bias add")
         super().__init__(input_size, output_size, config=config, bias=bias, **kwargs)
         self.post_norm = GemmaRMSNorm(config, output_size, eps=config.layernorm_epsilon)
 
     def forward(self, input_: Tensor):
         output, bias = super().forward(input_)
         return self.post_norm(output), bias
+
+
+class PostNormRowParallelLinear(PostNorm, RowParallelLinear):
+    """Megatron's ``RowParallelLinear`` followed by a ``GemmaRMSNorm``."""
+
+
+@lru_cache(maxsize=None)
+def _te_linears():
+    """(fused norm + column-parallel, column-parallel, post-normed row-parallel) linears of Transformer Engine."""
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear, TELayerNormColumnParallelLinear, TERowParallelLinear,
+    )
+
+    post_normed = type("PostNormTERowParallelLinear", (PostNorm, TERowParallelLinear),
+                       {"__doc__": "Transformer Engine's row-parallel linear followed by a ``GemmaRMSNorm``."})
+    return TELayerNormColumnParallelLinear, TEColumnParallelLinear, post_normed
 
 
 class GemmaMLP(DualKVMLP):
@@ -259,36 +278,47 @@ class GemmaTransformerLayer(DualKVTransformerLayer):
 def gemma_block_spec(
     config: GemmaTransformerConfig, use_transformer_engine: bool = False, vp_stage: Optional[int] = None
 ) -> TransformerBlockSubmodules:
-    """The decoder block of this pipeline stage: Gemma layers of torch-native Megatron modules."""
-    if use_transformer_engine:
-        raise NotImplementedError(
-            "Gemma layers are built from Megatron's torch-native modules (their extra norms have no Transformer "
-            "Engine spec here yet); build with use_transformer_engine=False"
-        )
+    """The decoder block of this pipeline stage: Gemma layers of Megatron's torch-native modules, or
+    with Transformer Engine's linears.
+
+    TE: the input and pre-feedforward norms are fused into ``linear_qkv`` and ``linear_fc1``
+    (TE's RMSNorm, ``1 + w`` through its ``zero_centered_gamma``); with ``recompute_norms`` they are
+    ``GemmaRMSNorm``s in front of TE's plain linears, whose outputs can be freed. The post norms,
+    the q/k/v norms, the GeGLU and the layer scalar are ours in both. A TE layer stores its fused
+    norms under the local layer's keys, so checkpoints load into either spec.
+    """
     value_norm = ModuleSpec(module=GemmaRMSNorm, params={"with_scale": False}) if config.value_norm else None
+    input_norm = pre_mlp_norm = GemmaRMSNorm
+    column, row, keys_map = ColumnParallelLinear, PostNormRowParallelLinear, {}
+    if use_transformer_engine:
+        require_transformer_engine("the Gemma TE spec")
+        fused, column, row = _te_linears()
+        if not getattr(config, "recompute_norms", False):
+            input_norm = pre_mlp_norm = IdentityOp
+            column = fused
+            keys_map = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+                        "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
     layer = ModuleSpec(
         module=GemmaTransformerLayer if config.layer_scalar else DualKVTransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=GemmaRMSNorm,
+            input_layernorm=input_norm,
             self_attention=ModuleSpec(
                 module=GemmaSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=GemmaSelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
+                    linear_qkv=column,
                     core_attention=DualKVAttention,
-                    linear_proj=PostNormRowParallelLinear,
+                    linear_proj=row,
                     q_layernorm=GemmaRMSNorm,
                     k_layernorm=GemmaRMSNorm,
                     v_layernorm=value_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=GemmaRMSNorm,
-            mlp=ModuleSpec(
-                module=GemmaMLP,
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=PostNormRowParallelLinear),
-            ),
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=ModuleSpec(module=GemmaMLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
         ),
     )
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage), layer_norm=GemmaRMSNorm)

@@ -300,6 +300,17 @@ def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: in
     return -(-vocab_size // multiple) * multiple
 
 
+# Transformer Engine's FP8 matmuls take row counts that are multiples of 16
+FP8_TOKEN_MULTIPLE = 16
+
+
+def micro_batch_token_multiple(config) -> int:
+    """What the packed token count of every micro-batch of the model of ``config`` must be a
+    multiple of: ``ParallelSizes.token_multiple``, times 16 where the linears run in FP8 (every rank's
+    slice of the tokens is a multiple of 16 rows)."""
+    return current_parallel_sizes(config).token_multiple * (FP8_TOKEN_MULTIPLE if getattr(config, "fp8", None) else 1)
+
+
 def current_parallel_sizes(config=None) -> ParallelSizes:
     """The sizes Megatron's parallel state was initialised with; ``sp`` from the model's
     ``TransformerConfig`` when given (sequence parallelism is a model setting, not parallel state)."""

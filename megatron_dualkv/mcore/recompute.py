@@ -1,5 +1,5 @@
-"""Activation recompute without Transformer Engine: the modes ``build_model(recompute=...)`` offers,
-and the selective recompute of norm outputs and MLP activations that our layer specs run.
+"""Activation recompute: the modes ``build_model(recompute=...)`` offers, and the selective recompute
+of norm outputs and MLP activations that our layer specs run, with or without Transformer Engine.
 
 Modes (``recompute_config_kwargs`` turns a mode and ``recompute_layers`` into ``TransformerConfig``
 fields, the one definition the builder, launch scripts, benchmarks and the memory model share):
@@ -28,6 +28,11 @@ The modules: norms that subclass ``RecomputableOutput`` (``FusedRMSNorm``, ``Gem
 q/k norms and RoPE of ``RecomputableQueryKey`` self-attentions (``DualKVSelfAttention``,
 ``GemmaSelfAttention``), activations of ``RecomputableActivation`` modules (``DualKVMLP`` and
 ``GemmaMLP``, ``GroupedMMExperts``), switched on per layer by ``DualKVTransformerLayer``.
+
+In the Transformer Engine specs the same fields apply: the norms whose outputs are freed are ours
+in front of TE's plain linears (a norm fused into TE's ``LayerNormLinear`` keeps its output inside
+it), and TE's grouped experts recompute their activation through Megatron's ``moe_act`` module,
+which ``build_model`` adds to ``recompute_modules`` there.
 """
 from __future__ import annotations
 
@@ -226,8 +231,8 @@ class DualKVTransformerLayer(TransformerLayer):
             if not isinstance(norm, RecomputableOutput):
                 raise ValueError(
                     f"recompute_norms: layer {self.layer_number}'s {name} is a {type(norm).__name__}, which cannot "
-                    "recompute its output (the Transformer Engine spec fuses the norms into the linears: build with "
-                    "use_transformer_engine=False)"
+                    "recompute its output (a norm fused into a linear keeps it: build the layer spec with "
+                    "the config that has recompute_norms set)"
                 )
             norm.recompute_output = True
             consumer.register_forward_hook(partial(_discard_norm_output, norm))
@@ -243,10 +248,13 @@ class DualKVTransformerLayer(TransformerLayer):
     def _recompute_activation(self) -> None:
         # MoE layers: the routed experts' activation; the router and shared experts are left alone
         module = self.mlp.experts if isinstance(self.mlp, MoELayer) else self.mlp
+        if isinstance(self.mlp, MoELayer) and "moe_act" in (self.config.recompute_modules or []):
+            return  # Megatron's own selective module recomputes it (Transformer Engine's experts)
         if not isinstance(module, RecomputableActivation):
             raise ValueError(
                 f"recompute_activations: layer {self.layer_number}'s {type(module).__name__} cannot recompute its "
-                "activation (the local spec's MLP, GemmaMLP and GroupedMMExperts can)"
+                "activation (the local spec's MLP, GemmaMLP and GroupedMMExperts can; Transformer Engine's grouped "
+                "experts through Megatron's moe_act, which runs without recompute_layers only)"
             )
         module.recompute_activation = True
 

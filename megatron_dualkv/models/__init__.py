@@ -8,7 +8,7 @@ weights under their Hugging Face names (``hf_export.py``).
 """
 from .builder import FAMILIES, architecture_differences, build_model, build_transformer_config
 from .cards import ModelCard, available_cards, load_card
-from .checkpoint import checkpoint_card, hf_to_megatron, load_model, megatron_to_hf, save_model
+from .checkpoint import checkpoint_card, hf_to_megatron, load_model, megatron_to_hf, save_model, weights_only
 from .family import ModelFamily, StateDictMapping, TensorMapping, load_megatron_state_dict
 from .hf_export import export_hf_weights
 
@@ -28,6 +28,7 @@ __all__ = [
     "load_card",
     "load_megatron_state_dict",
     "load_model",
+    "weights_only",
     "megatron_to_hf",
     "save_model",
 ]

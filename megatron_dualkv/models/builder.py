@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..mcore.cpu_compat import enable_cpu_compat
 from ..mcore.gpt_model import DualKVGPTModel
-from ..mcore.layer_specs import transformer_engine_available
+from ..mcore.layer_specs import require_transformer_engine, transformer_engine_available
 from ..mcore.multi_tensor import use_foreach_multi_tensor_ops
 from ..mcore.parallel import (
     ParallelSizes,
@@ -75,6 +75,7 @@ def build_model(
     dtype: Optional[torch.dtype] = None,
     seed: int = 1234,
     use_transformer_engine: Optional[bool] = None,
+    fp8: Optional[str] = None,
     make_vocab_size_divisible_by: int = 128,
     recompute: Optional[str] = None,
     recompute_layers: Optional[int] = None,
@@ -99,8 +100,13 @@ def build_model(
     seed: Megatron's model-parallel RNG seed. The same seed gives the same weights at any tp, but
         not across pp/ep layouts (each stage or expert rank draws for its own layers): to compare
         layouts, start them from one checkpoint (``save_model`` / ``load_model``).
-    use_transformer_engine: None picks the TE spec when transformer_engine imports, CUDA is
-        available and the family has one (Gemma has not), else the torch-native local spec.
+    use_transformer_engine: the layer spec: True Transformer Engine's (``dualkv_te_block_spec``,
+        ``gemma_block_spec``), False the torch-native local one; None picks TE's when
+        transformer_engine imports and CUDA is available (``uses_transformer_engine``).
+    fp8: None, "e4m3" or "hybrid" (e4m3 forward, e5m2 gradients): the TE spec's linears run in FP8
+        with TE's current (per-tensor) scaling, Megatron's ``fp8_recipe="tensorwise"``; attention,
+        norms, the embedding and output layer stay in the parameter dtype. Needs the TE spec, a
+        GPU of compute capability 8.9+ and bf16 parameters.
     make_vocab_size_divisible_by: the embedding and output layer have the card's vocabulary
         padded to a multiple of this times tp, as Megatron-LM pads it (``padded_vocab_size``;
         1: a multiple of tp only). The model's ``vocab_size`` is the padded size,
@@ -124,24 +130,60 @@ def build_model(
     card = load_card(card)
     family = family_of(card)
     sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, vpp=vpp, sp=sp)
-    if use_transformer_engine is None:
-        use_transformer_engine = (
-            family.supports_transformer_engine and transformer_engine_available() and torch.cuda.is_available()
-        )
+    use_transformer_engine = uses_transformer_engine(use_transformer_engine)
+    dtype = param_dtype(card, dtype)
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
     overrides = _with_recompute(overrides, recompute, recompute_layers)
+    overrides.update(fp8_config_kwargs(fp8, use_transformer_engine, dtype))
     _refuse_te_only_recompute(overrides)
-    config = build_transformer_config(card, family, sizes, param_dtype(card, dtype), use_transformer_engine, overrides)
+    config = build_transformer_config(card, family, sizes, dtype, use_transformer_engine, overrides)
     check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
     vocab_size = model_kwargs["vocab_size"]
     padded = padded_vocab_size(vocab_size, tp, make_vocab_size_divisible_by)
     model_kwargs.update(vocab_size=padded, unpadded_vocab_size=vocab_size)
     initialize_parallel_state(sizes, seed)
-    _check_recompute(config, use_transformer_engine)
+    _check_recompute(config)
     chunks = [_pipeline_chunk(family, config, use_transformer_engine, model_kwargs, vp_stage) for vp_stage in range(sizes.vpp or 1)]
     return chunks if sizes.vpp else chunks[0]
+
+
+def uses_transformer_engine(requested: Optional[bool]) -> bool:
+    """Whether ``build_model(use_transformer_engine=requested)`` builds the TE spec: ``requested``,
+    checked (True needs transformer_engine and CUDA), or for None whether both are there."""
+    if requested is None:
+        return transformer_engine_available() and torch.cuda.is_available()
+    if requested:
+        require_transformer_engine("use_transformer_engine=True")
+        if not torch.cuda.is_available():
+            raise ValueError("use_transformer_engine=True: Transformer Engine's layers run on CUDA only, and there is no GPU")
+    return bool(requested)
+
+
+FP8_FORMATS = ("e4m3", "hybrid")
+
+
+def fp8_config_kwargs(fp8: Optional[str], use_transformer_engine: bool, dtype: torch.dtype) -> Dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``build_model(fp8=...)``; ValueError naming ``fp8`` for a
+    setting that cannot run here."""
+    if fp8 is None:
+        return {}
+    if fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8 must be one of {FP8_FORMATS} (or None), got {fp8!r}")
+    if not use_transformer_engine:
+        raise ValueError(f"fp8={fp8!r} runs Transformer Engine's linears in FP8: it needs the TE spec "
+                         "(use_transformer_engine=True, --transformer-engine on)")
+    if torch.cuda.get_device_capability() < (8, 9):
+        name = torch.cuda.get_device_name()
+        raise ValueError(f"fp8={fp8!r}: {name} has no FP8 matmuls (compute capability 8.9+, e.g. Ada or Hopper, is needed)")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"fp8={fp8!r} trains bf16 parameters with FP8 matmuls; the parameters are {dtype} (--dtype bfloat16)")
+    # Current (per-tensor) scaling: no amax history to warm up, and Megatron's moe_act recompute
+    # allows it (not delayed scaling). No FP8 weight cache across micro-batches: a forward outside
+    # Megatron's schedule (which resets it at each step's first micro-batch) would read the weights
+    # of before the last optimizer step; quantizing them again costs a pass over the weights.
+    return {"fp8": fp8, "fp8_recipe": "tensorwise", "disable_parameter_transpose_cache": True}
 
 
 def _pipeline_chunk(family: ModelFamily, config, use_transformer_engine: bool, model_kwargs, vp_stage: int):
@@ -204,6 +246,13 @@ def build_transformer_config(
     # config); the empty list it asks for means the same
     kwargs[_CUDA_GRAPH_SCOPE] = []
     kwargs.update(overrides)
+    if kwargs.get("num_moe_experts") and use_transformer_engine:
+        if kwargs.get("recompute_activations") and kwargs.get("recompute_granularity") == "selective":
+            # TE's grouped experts recompute their activation through Megatron's own selective module
+            kwargs["recompute_modules"] = [*(kwargs.get("recompute_modules") or []), "moe_act"]
+        if kwargs.get("fp8"):
+            # FP8 grouped matmuls take 16-row multiples per expert: Megatron pads the routing to them
+            kwargs["moe_router_padding_for_quantization"] = True
     kwargs.update(pipeline_stage_fields(kwargs["num_layers"], sizes, kwargs))
     return family.config_class(**kwargs)
 
@@ -233,7 +282,7 @@ def _refuse_te_only_recompute(overrides: Dict[str, Any]) -> None:
         )
 
 
-def _check_recompute(config: TransformerConfig, use_transformer_engine: bool) -> None:
+def _check_recompute(config: TransformerConfig) -> None:
     """ValueError naming the field for a recompute setting these layers cannot run."""
     if config.recompute_granularity == "full":
         # Megatron counts recompute_num_layers within each pipeline stage / model chunk
@@ -255,13 +304,6 @@ def _check_recompute(config: TransformerConfig, use_transformer_engine: bool) ->
                 "not recompute without the padding mask, so their routing statistics would count the packing's "
                 "padding tokens; set those off, recompute every layer, or use megatron-core 0.17+"
             )
-    ours = [k for k in SELECTIVE_RECOMPUTE_FIELDS if getattr(config, k, False)]
-    if ours and use_transformer_engine:
-        raise ValueError(
-            f"{', '.join(ours)} (recompute='selective') run in the local spec's layers, not in Transformer "
-            "Engine's, which fuses the norms into its linears: build with use_transformer_engine=False, or use "
-            "Megatron's recompute_modules with TE"
-        )
 
 
 def _counts_routed_tokens(config: TransformerConfig) -> bool:

@@ -102,7 +102,7 @@ def load_model(megatron_dir: Union[str, os.PathLike], tp: int = 1, pp: int = 1, 
     megatron_dir = Path(megatron_dir)
     built = build_model(checkpoint_card(megatron_dir), tp, pp, ep, cp, **build_kwargs)
     chunks = built if isinstance(built, list) else [built]
-    request = {f"chunk{i}": _weights_only(sharded_state_dict(chunk)) for i, chunk in enumerate(chunks)}
+    request = {f"chunk{i}": weights_only(sharded_state_dict(chunk)) for i, chunk in enumerate(chunks)}
     loaded = dist_checkpointing.load(request, str(megatron_dir))
     for i, chunk in enumerate(chunks):
         load_megatron_state_dict(chunk, loaded[f"chunk{i}"])
@@ -261,7 +261,7 @@ def _pieces(entry: ShardedEntry, tensor: Tensor) -> List[ShardedTensor]:
     return list(nested_values(held.build())) if isinstance(held, ShardedTensorFactory) else [held]
 
 
-def _weights_only(sharded: dict) -> dict:
+def weights_only(sharded: dict) -> dict:
     """Without the ``_extra_state`` objects: they hold no weights (None in torch-native layers, FP8
     scaling state in Transformer Engine's), so ``hf_to_megatron`` stores none."""
     return {name: entry for name, entry in sharded.items() if not name.endswith("_extra_state")}

@@ -9,6 +9,7 @@ spec, config class and model class (Gemma's extra norms) belong.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -131,7 +132,6 @@ class ModelFamily:
     config_class: type = DualKVTransformerConfig
     block_spec: Callable[[TransformerConfig, bool, Optional[int]], TransformerBlockSubmodules] = dualkv_gpt_block_spec
     model_class: type = DualKVGPTModel
-    supports_transformer_engine: bool = True
     hf_mapping: Optional[StateDictMappingFn] = None
     # The names of the family's published safetensors files where they differ from transformers'
     # state dict (Qwen3-MoE files name experts one by one, transformers 5 fuses them in memory).
@@ -165,12 +165,43 @@ class ModelFamily:
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
+# Transformer Engine's module names -> the local spec's, which the family mappings use: the norms
+# fused into TE's LayerNormLinear, and TEGroupedMLP's per-expert weights (SequentialMLP's modules)
+_TE_NAMES = (
+    (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r".input_layernorm.\1"),
+    (re.compile(r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$"), r".pre_mlp_layernorm.\1"),
+    (re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$"), r".mlp.experts.local_experts.\3.\1.\2"),
+)
+
+
+def local_spec_name(name: str) -> str:
+    """A parameter's name in a model of the local spec, for a name in a model of either spec
+    (``decoder.layers.0.self_attention.linear_qkv.layer_norm_weight`` ->
+    ``decoder.layers.0.input_layernorm.weight``). The family mappings name the local spec's tensors."""
+    for pattern, replacement in _TE_NAMES:
+        name, found = pattern.subn(replacement, name)
+        if found:
+            return name
+    return name
+
+
+def local_spec_state_dict(model: torch.nn.Module, keep_vars: bool = False) -> Dict[str, Tensor]:
+    """``model.state_dict()`` under the local spec's names (``local_spec_name``), ``_extra_state``
+    entries left out."""
+    return {local_spec_name(name): tensor for name, tensor in model.state_dict(keep_vars=keep_vars).items()
+            if not name.endswith("_extra_state")}
+
+
 def load_megatron_state_dict(model: torch.nn.Module, state_dict: Dict[str, Tensor]) -> None:
-    """``model.load_state_dict`` that only forgives absent ``_extra_state`` entries (no tensors).
+    """``model.load_state_dict`` of a state dict under the local spec's names (what the family
+    mappings make; ``local_spec_state_dict``) into a model of either spec, which forgives only
+    absent ``_extra_state`` entries (no tensors).
 
     The embedding and output layer of the real vocabulary (what ``hf_to_megatron`` makes) get
     zero rows up to the model's padded vocabulary (Megatron's checkpoint loader pads the same way).
     """
+    own_names = {local_spec_name(name): name for name in model.state_dict(keep_vars=True)}
+    state_dict = {own_names.get(name, name): tensor for name, tensor in state_dict.items()}
     own = model.state_dict(keep_vars=True)
     state_dict = {
         name: _padded_rows(tensor, own[name]) if name in VOCAB_TENSORS and name in own else tensor

@@ -274,7 +274,6 @@ def _family(model_type: str, config_kwargs, model_kwargs) -> ModelFamily:
         config_class=GemmaTransformerConfig,
         block_spec=gemma_block_spec,
         model_class=GemmaGPTModel,
-        supports_transformer_engine=False,
         hf_mapping=gemma_state_dict_mapping,
     )
 

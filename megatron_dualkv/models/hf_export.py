@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .cards import ModelCard, load_card
 from .builder import family_of
-from .family import _first
+from .family import _first, local_spec_state_dict
 
 NAMINGS = ("checkpoint", "transformers")
 
@@ -50,8 +50,8 @@ def export_hf_weights(
 
     The tensors are on the model's device, in its dtype, and may be views of one fused tensor:
     copy them before changing them. Collective: every rank of the world iterates to the end, and
-    every rank yields every tensor. Models built with the torch-native layer spec only (the
-    family mappings name its modules).
+    every rank yields every tensor. Either layer spec: Transformer Engine's fused norms and grouped
+    experts are read under the local spec's names (``local_spec_name``), which the family mappings use.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
@@ -65,8 +65,8 @@ def export_hf_weights(
     absent = [name for m in mapping.tensors for name in m.megatron if name not in directory]
     if absent:
         raise ValueError(
-            f"the model has no tensors {_first(absent)} of card {card.name!r}: export_hf_weights reads models built with "
-            "the torch-native layer spec (use_transformer_engine=False) and SequentialMLP experts"
+            f"the model has no tensors {_first(absent)} of card {card.name!r}: export_hf_weights reads models that "
+            "build_model or load_model built from it"
         )
     aliases = {source: alias for alias, source in mapping.tied.items()} if naming == "transformers" else {}
     device = next(p.device for chunk in chunks for p in chunk.parameters())
@@ -91,12 +91,11 @@ class _Placement:
 
 def _local_tensors(chunks) -> Dict[str, Tensor]:
     """This rank's parameters and buffers, under their names in the whole model (the names of a
-    tp=pp=ep=1 model: global layer and expert numbers)."""
+    tp=pp=ep=1 model of the local spec: global layer and expert numbers)."""
     local = {}
     for chunk in chunks:
-        for name, tensor in chunk.state_dict(keep_vars=True).items():
-            if not name.endswith("_extra_state"):
-                local[_global_name(chunk, name)] = tensor
+        for name, tensor in local_spec_state_dict(chunk, keep_vars=True).items():
+            local[_global_name(chunk, name)] = tensor
     return local
 
 
@@ -107,7 +106,7 @@ def _global_name(chunk, name: str) -> str:
         parts[2] = str(layer.layer_number - 1)  # Megatron numbers layers from 1 over the whole model
         if "local_experts" in parts:
             i = parts.index("local_experts") + 1
-            local_experts = len(layer.mlp.experts.local_experts)
+            local_experts = layer.mlp.experts.num_local_experts
             parts[i] = str(parallel_state.get_expert_model_parallel_rank() * local_experts + int(parts[i]))
     return ".".join(parts)
 

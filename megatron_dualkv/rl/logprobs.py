@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..mcore.context_parallel import context_parallel_size, context_parallel_slice
 from ..mcore.packed_seq_params import DualKVPackedSeqParams
-from ..mcore.parallel import current_parallel_sizes
+from ..mcore.parallel import current_parallel_sizes, micro_batch_token_multiple
 from ..ops.linear_logprobs import linear_logprobs_func
 from ..packing import PackedBatch
 from ..trajectories import TrajectoryBatch
@@ -192,18 +192,19 @@ def _check_batch(model, batch, layout: str) -> None:
         raise ValueError(f"expected a PackedBatch (megatron_dualkv.pack_groups) or a TrajectoryBatch "
                          f"(megatron_dualkv.pack_trajectories), got {type(batch).__name__}")
     _check_vocabulary(batch, get_attr_wrapped_model(model, "unpadded_vocab_size"))
-    sizes = current_parallel_sizes(get_attr_wrapped_model(model, "config"))
+    config = get_attr_wrapped_model(model, "config")
+    sizes, multiple = current_parallel_sizes(config), micro_batch_token_multiple(config)
     if layout == "replicated" and sizes.cp > 1:
         raise NotImplementedError(
             "the replicated layout runs Megatron's DotProductAttention, which has no context parallelism; "
             "run the baseline with cp=1"
         )
-    if layout == "packed" and batch.num_tokens % sizes.token_multiple:
+    if layout == "packed" and batch.num_tokens % multiple:
         pack = "pack_groups" if isinstance(batch, PackedBatch) else "pack_trajectories"
         raise ValueError(
-            f"the micro-batch has {batch.num_tokens} packed tokens, not a multiple of {sizes.token_multiple} "
-            f"(context parallelism x sequence parallelism of {sizes}); pack it with "
-            f"{pack}(..., pad_to_multiple_of={sizes.token_multiple})"
+            f"the micro-batch has {batch.num_tokens} packed tokens, not a multiple of {multiple} "
+            f"(context parallelism x sequence parallelism of {sizes}, x 16 with FP8 linears); pack it with "
+            f"{pack}(..., pad_to_multiple_of={multiple})"
         )
 
 
@@ -275,7 +276,7 @@ def _replicated_output(model, batch) -> Tensor:
     (s a multiple of the sequence-parallel split)."""
     device = _model_device(model)
     sequences = _replicated_sequences(batch, ResponseTokens.of(batch))
-    multiple = current_parallel_sizes(get_attr_wrapped_model(model, "config")).token_multiple
+    multiple = micro_batch_token_multiple(get_attr_wrapped_model(model, "config"))
     longest = -(-max(len(seq) for seq in sequences) // multiple) * multiple
     input_ids = torch.zeros(len(sequences), longest, dtype=torch.long)
     padding = torch.ones(len(sequences), longest, dtype=torch.bool)
