@@ -404,12 +404,9 @@ class MemoryModel:
 
     def recompute_ladder(self) -> List[Tuple[str, Optional[int]]]:
         """Recompute settings from the cheapest to the one that saves the most memory: none, selective,
-        selective with the first 1, 2, ... layers of each stage fully recomputed (not for Transformer
-        Engine's experts), full."""
+        selective with the first 1, 2, ... layers of each stage fully recomputed, full."""
         layers = self._min_chunk_layers()
-        # Transformer Engine's grouped experts recompute their activation without recompute_layers only
-        partial = [] if self.transformer_engine and any(moe_layer_flags(self.config)) else range(1, layers)
-        return [("none", None), ("selective", None)] + [("selective", n) for n in partial] + [("full", None)]
+        return [("none", None), ("selective", None)] + [("selective", n) for n in range(1, layers)] + [("full", None)]
 
     def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
             recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,

@@ -151,6 +151,9 @@ def replicated_attention(
     else:
         block_mask = _causal_block_mask(q.shape[2], window, q.device)
         score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
+        # Compiled FlexAttention found no kernel for a value that is a strided view of linear_qkv's
+        # output as Transformer Engine's SplitAlongDim returns it (H200, torch 2.11)
+        q, k, v = (t.contiguous() for t in (q, k, v))
         out = _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale,
                                          enable_gqa=gqa)
     return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)

@@ -31,8 +31,8 @@ q/k norms and RoPE of ``RecomputableQueryKey`` self-attentions (``DualKVSelfAtte
 
 In the Transformer Engine specs the same fields apply: the norms whose outputs are freed are ours
 in front of TE's plain linears (a norm fused into TE's ``LayerNormLinear`` keeps its output inside
-it), and TE's grouped experts recompute their activation through Megatron's ``moe_act`` module,
-which ``build_model`` adds to ``recompute_modules`` there.
+it), and TE's grouped experts recompute their activation through Megatron's own ``moe_act``
+mechanism, which ``DualKVTransformerLayer`` turns on in them.
 """
 from __future__ import annotations
 
@@ -248,15 +248,29 @@ class DualKVTransformerLayer(TransformerLayer):
     def _recompute_activation(self) -> None:
         # MoE layers: the routed experts' activation; the router and shared experts are left alone
         module = self.mlp.experts if isinstance(self.mlp, MoELayer) else self.mlp
-        if isinstance(self.mlp, MoELayer) and "moe_act" in (self.config.recompute_modules or []):
-            return  # Megatron's own selective module recomputes it (Transformer Engine's experts)
+        if isinstance(self.mlp, MoELayer) and _recomputes_with_megatrons_moe_act(module):
+            return
         if not isinstance(module, RecomputableActivation):
             raise ValueError(
                 f"recompute_activations: layer {self.layer_number}'s {type(module).__name__} cannot recompute its "
-                "activation (the local spec's MLP, GemmaMLP and GroupedMMExperts can; Transformer Engine's grouped "
-                "experts through Megatron's moe_act, which runs without recompute_layers only)"
+                "activation (the local spec's MLP, GemmaMLP and GroupedMMExperts can, and Transformer Engine's "
+                "grouped experts)"
             )
         module.recompute_activation = True
+
+
+def _recomputes_with_megatrons_moe_act(experts) -> bool:
+    """Turn on Megatron's own ``moe_act`` recompute in Transformer Engine's grouped experts
+    (``TEGroupedMLP``), as their constructor does under ``recompute_modules=["moe_act"]``, which it
+    takes only with selective granularity (not with ``recompute_layers``); False for other experts."""
+    if isinstance(experts, RecomputableActivation) or not hasattr(experts, "activation_recompute"):
+        return False
+    experts.activation_recompute = True
+    if experts.config.fp8 or getattr(experts.config, "fp4", None):
+        from megatron.core.extensions.transformer_engine import set_save_original_input
+
+        set_save_original_input(experts.linear_fc2)  # fc2 keeps the recomputed input, not an FP8 copy
+    return True
 
 
 def _discard_norm_output(norm: RecomputableOutput, consumer, args, output) -> None:

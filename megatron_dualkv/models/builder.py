@@ -246,13 +246,9 @@ def build_transformer_config(
     # config); the empty list it asks for means the same
     kwargs[_CUDA_GRAPH_SCOPE] = []
     kwargs.update(overrides)
-    if kwargs.get("num_moe_experts") and use_transformer_engine:
-        if kwargs.get("recompute_activations") and kwargs.get("recompute_granularity") == "selective":
-            # TE's grouped experts recompute their activation through Megatron's own selective module
-            kwargs["recompute_modules"] = [*(kwargs.get("recompute_modules") or []), "moe_act"]
-        if kwargs.get("fp8"):
-            # FP8 grouped matmuls take 16-row multiples per expert: Megatron pads the routing to them
-            kwargs["moe_router_padding_for_quantization"] = True
+    if kwargs.get("num_moe_experts") and kwargs.get("fp8"):
+        # FP8 grouped matmuls take 16-row multiples per expert: Megatron pads the routing to them
+        kwargs["moe_router_padding_for_quantization"] = True
     kwargs.update(pipeline_stage_fields(kwargs["num_layers"], sizes, kwargs))
     return family.config_class(**kwargs)
 

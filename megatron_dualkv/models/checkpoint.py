@@ -262,9 +262,11 @@ def _pieces(entry: ShardedEntry, tensor: Tensor) -> List[ShardedTensor]:
 
 
 def weights_only(sharded: dict) -> dict:
-    """Without the ``_extra_state`` objects: they hold no weights (None in torch-native layers, FP8
-    scaling state in Transformer Engine's), so ``hf_to_megatron`` stores none."""
-    return {name: entry for name, entry in sharded.items() if not name.endswith("_extra_state")}
+    """Without the ``_extra_state`` objects (``ShardedObject``s): they hold no weights (None in
+    torch-native layers, FP8 scaling state in Transformer Engine's), so ``hf_to_megatron`` stores none,
+    and the checkpoint of one layer spec has none of the other's."""
+    return {name: entry for name, entry in sharded.items()
+            if not name.endswith("_extra_state") and not isinstance(entry, ShardedObject)}
 
 
 # ---------------------------------------------------------------- writing: Hugging Face -> Megatron

@@ -66,7 +66,8 @@ def export_hf_weights(
     if absent:
         raise ValueError(
             f"the model has no tensors {_first(absent)} of card {card.name!r}: export_hf_weights reads models that "
-            "build_model or load_model built from it"
+            "build_model or load_model built from it (the experts as SequentialMLP or TEGroupedMLP, not Megatron's "
+            "legacy GroupedMLP)"
         )
     aliases = {source: alias for alias, source in mapping.tied.items()} if naming == "transformers" else {}
     device = next(p.device for chunk in chunks for p in chunk.parameters())

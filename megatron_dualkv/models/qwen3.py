@@ -127,10 +127,6 @@ def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts
     experts_one_by_one: name the experts as the published safetensors files (and ``save_pretrained``)
     do, ``mlp.experts.<e>.{gate,up,down}_proj.weight``.
     """
-    if config.num_moe_experts and config.moe_grouped_gemm:
-        raise NotImplementedError(
-            "the Qwen3-MoE state-dict mapping names SequentialMLP experts; build the model with moe_grouped_gemm=False"
-        )
     moe_layers = moe_layer_flags(config)
     mappings = []
     for i in range(config.num_layers):
