@@ -129,8 +129,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help="for text rollouts: a SentencePiece .model, a Hugging Face tokenizer.json or model folder")
     group.add_argument("--global-batch-size", type=int, default=8, help="rollout groups per step, all DP ranks together")
     group.add_argument("--max-tokens", type=_tokens_or_auto, default=1024,
-                       help="micro-batch token budget (packed tokens); auto: the most that fit the GPU (the whole "
-                            "largest group when --recompute is auto too, with the least recompute that holds it)")
+                       help="micro-batch token budget (packed tokens, on both layouts); auto: the most that fit the GPU "
+                            "(packed: the whole largest group when --recompute is auto too, with the least recompute "
+                            "that holds it)")
     group = parser.add_argument_group("policy loss and updates")
     group.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
     group.add_argument("--mini-batches", type=int, default=1,
