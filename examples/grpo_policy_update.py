@@ -46,13 +46,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
+import math
 import os
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from megatron_dualkv.notices import hide_expected_notices
 
@@ -66,7 +68,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megatron_dualkv import CostModel, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups  # noqa: E402
+from megatron_dualkv import (  # noqa: E402
+    CostModel, PlannedMicroBatch, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups,
+)
 from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
 from megatron_dualkv.mcore.parallel import FP8_TOKEN_MULTIPLE, current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
@@ -133,8 +137,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help="for text rollouts: a SentencePiece .model, a Hugging Face tokenizer.json or model folder")
     group.add_argument("--global-batch-size", type=int, default=8, help="rollout groups per step, all DP ranks together")
     group.add_argument("--max-tokens", type=_tokens_or_auto, default=1024,
-                       help="micro-batch token budget (packed tokens); auto: the most that fit the GPU (the whole "
-                            "largest group when --recompute is auto too, with the least recompute that holds it)")
+                       help="micro-batch token budget (packed tokens, on both layouts); auto: the most that fit the GPU "
+                            "(packed: the whole largest group when --recompute is auto too, with the least recompute "
+                            "that holds it)")
     group = parser.add_argument_group("policy loss and updates")
     group.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
     group.add_argument("--mini-batches", type=int, default=1,
@@ -187,8 +192,6 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
     for name in ("global_batch_size", "max_tokens", "steps", "mini_batches", "ppo_epochs"):
         if getattr(args, name) != AUTO and getattr(args, name) < 1:
             yield f"--{name.replace('_', '-')} must be >= 1"
-    if AUTO in (args.recompute, args.max_tokens) and args.layout != "packed":
-        yield "--recompute auto and --max-tokens auto size packed micro-batches; pass both for --layout replicated"
     if args.fp8 != "off" and args.transformer_engine == "off":
         yield f"--fp8 {args.fp8} runs Transformer Engine's linears in FP8: pass --transformer-engine on (or auto)"
     if args.fp8 != "off" and args.dtype == "float32":
@@ -278,29 +281,48 @@ class Policy:
 
 
 def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[Fit]:
-    """Resolve --recompute auto and --max-tokens auto in ``args`` with the memory model (None when neither
-    is auto): the least recompute under which a micro-batch holds the largest rollout group whole (else
-    the longest prompt plus response), and the most packed tokens that setting fits."""
+    """Resolve --recompute auto and --max-tokens auto in ``args`` (None when neither is auto) within the
+    GPU's memory less --memory-margin (``fit_within``)."""
     if AUTO not in (args.recompute, args.max_tokens):
         return None
     if not torch.cuda.is_available():
         raise InputError("--recompute auto and --max-tokens auto fit the micro-batch to the GPU's memory: they need CUDA")
+    return fit_within(args, groups, device_budget(margin=args.memory_margin))
+
+
+def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -> Fit:
+    """Resolve --recompute auto and --max-tokens auto in ``args`` with the memory model, within ``budget``
+    bytes, and the predicted peak of the resolved setting. Packed: the least recompute under which a
+    micro-batch holds the largest rollout group whole (else the longest prompt plus response), and the
+    most packed tokens that setting fits. Replicated, which shares no prompt to keep whole: of no
+    recompute and selective (neither re-runs a matmul), the one that runs the largest micro-batches,
+    else the least recompute that runs the longest prompt plus response; each micro-batch as the steps
+    plan it by packed tokens and then run it replicated (``replicated_micro_batch``)."""
     card = model_card(args)
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     world = int(os.environ.get("WORLD_SIZE", 1))
+    dp = max(1, world // sizes.model_ranks)
     memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
-                                  dp=max(1, world // sizes.model_ranks), distributed_optimizer=args.use_distributed_optimizer,
+                                  dp=dp, distributed_optimizer=args.use_distributed_optimizer,
                                   ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
                                   fp8=args.fp8 != "off")
     whole, longest, responses = packed_sizes(groups)
+    replicated, multiple = args.layout == "replicated", _token_multiple(args, sizes)
+    if replicated:
+        attention_weight = CostModel.from_config(memory.config, memory.vocab_size).attention_weight
+        micro_batch = replicated_micro_batch(args, groups, dp, attention_weight, multiple)
+    else:
+        micro_batch = lambda n: (n, int(n * responses))  # noqa: E731
+    # a pipeline's first stage holds pp micro-batches at once (1F1B), however many a step has
+    shape = dict(num_micro_batches=sizes.pp, layout=args.layout, micro_batch=micro_batch)
     setting = {} if args.recompute == AUTO else dict(recompute=args.recompute, recompute_layers=args.recompute_layers)
-    budget = device_budget(margin=args.memory_margin)
-    fits = (whole, longest) if args.max_tokens == AUTO else (args.max_tokens,)
-    for need in fits:
+    needs = (args.max_tokens,) if args.max_tokens != AUTO else (longest,) if replicated else (whole, longest)
+    for need in needs:
         try:
-            # a pipeline's first stage holds pp micro-batches at once (1F1B), however many a step has
-            fit = memory.fit(budget, need, responses, num_micro_batches=sizes.pp, multiple=_token_multiple(args, sizes),
-                             **setting)
+            if replicated and args.recompute == args.max_tokens == AUTO:
+                fit = _largest_cheap_fit(memory, budget, need, multiple=multiple, **shape)
+            else:
+                fit = memory.fit(budget, need, multiple=multiple, **setting, **shape)
             break
         except ValueError as err:
             problem = err
@@ -309,7 +331,60 @@ def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[F
     args.recompute, args.recompute_layers = fit.recompute, fit.recompute_layers
     if args.max_tokens == AUTO:
         args.max_tokens = fit.tokens
-    return fit
+    return memory.fit_at(args.max_tokens, fit.recompute, fit.recompute_layers, **shape)
+
+
+def _largest_cheap_fit(memory: MemoryModel, budget: float, need: int, **shape) -> Fit:
+    """Of no recompute and selective, the fit with the largest micro-batch (ties: no recompute), as the
+    benchmark ranks the replicated layout's settings (fewest executed FLOPs, then the larger
+    micro-batch); else the least recompute of the ladder that fits ``need``."""
+    fits = []
+    for mode in ("none", "selective"):
+        try:
+            fits.append(memory.fit(budget, need, recompute=mode, **shape))
+        except ValueError:
+            continue
+    if not fits:
+        return memory.fit(budget, need, **shape)
+    return max(fits, key=lambda fit: fit.micro_batch_tokens)
+
+
+def replicated_micro_batch(args: argparse.Namespace, groups: List[Rollout], dp_size: int, attention_weight: float,
+                           token_multiple: int) -> Callable[[int], Tuple[int, int]]:
+    """For a --max-tokens budget (packed tokens), the largest micro-batch on the replicated layout of any
+    rank in the run's steps, as (tokens, rows predicting a trained token): what the memory model sizes."""
+    @functools.lru_cache(maxsize=None)
+    def largest(max_tokens: int) -> Tuple[int, int]:
+        planned = planned_micro_batches(args, groups, max_tokens, dp_size, attention_weight)
+        return max(replicated_size(mb, token_multiple) for mb in planned if not mb.is_padding)
+
+    return largest
+
+
+def planned_micro_batches(args: argparse.Namespace, groups: List[Rollout], max_tokens: int, dp_size: int,
+                          attention_weight: float) -> Iterable[PlannedMicroBatch]:
+    """Every rank's micro-batches of steps 1 to --steps as ``policy_update_step`` plans them with
+    ``max_tokens`` (after as many steps as the file's groups take to line up again, the steps repeat)."""
+    period = len(groups) // math.gcd(len(groups), args.global_batch_size)
+    for step in range(1, min(args.steps, period) + 1):
+        rollouts = step_rollouts(groups, step_indices(len(groups), step, args.global_batch_size))
+        no_advantages = torch.zeros(sum(len(rewards) for rewards in group_rewards(rollouts)))
+        for mini in plan_mini_batches(rollouts, args.mini_batches, max_tokens, no_advantages, dp_size=dp_size,
+                                      attention_weight=attention_weight):
+            yield from (mb for rank in mini.plan.ranks for mb in rank)
+
+
+def replicated_size(mb: PlannedMicroBatch, multiple: int) -> Tuple[int, int]:
+    """(tokens, rows predicting a trained token) of a planned micro-batch as the replicated layout runs it
+    (``rl.logprobs``): a sequence per response after its prompt copy (per trajectory), all right-padded
+    to the longest, a multiple of ``multiple``; a row per trained token (never a trajectory's first)."""
+    if mb.trajectories:
+        lengths = [len(t.tokens) for t in mb.trajectories]
+        rows = sum(len(t.tokens) - 1 if t.loss_mask is None else sum(map(bool, t.loss_mask[1:])) for t in mb.trajectories)
+    else:
+        lengths = [len(g.prompt) + len(r) for g in mb.groups for r in g.responses]
+        rows = sum(len(r) for g in mb.groups for r in g.responses)
+    return len(lengths) * (-(-max(lengths) // multiple) * multiple), int(rows)
 
 
 def _token_multiple(args: argparse.Namespace, sizes: ParallelSizes) -> int:

@@ -23,7 +23,7 @@ a change to a spec that saves other tensors must change them too (``tests/test_m
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -410,35 +410,52 @@ class MemoryModel:
 
     def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
             recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
-            layout: str = "packed", multiple: int = 1) -> "Fit":
+            layout: str = "packed", multiple: int = 1,
+            micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None) -> "Fit":
         """The least recompute (``recompute`` None: the first of ``recompute_ladder``; else the one given)
         under which a micro-batch of ``min_tokens`` fits ``budget_bytes``, and the most tokens (a multiple
-        of ``multiple``) it fits. ``predicting_fraction``: the share of the tokens that predict a trained
-        token. ValueError when even the last setting does not fit ``min_tokens``, naming the budget and
-        that setting's peak.
+        of ``multiple``, at least ``min_tokens``) it fits. ``predicting_fraction``: the share of the tokens
+        that predict a trained token. ``micro_batch``: when the tokens are the packed-token budget of
+        ``plan_micro_batches`` rather than a micro-batch's tokens on ``layout`` (the launch script plans
+        the replicated layout's micro-batches by packed tokens), the largest micro-batch that a budget
+        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ValueError when even the last setting
+        does not fit ``min_tokens``, naming the budget and that setting's peak.
         """
         ladder = self.recompute_ladder() if recompute is None else [(recompute, recompute_layers)]
+        micro_batch = micro_batch or (lambda n: (n, int(n * predicting_fraction)))
 
-        def peak_at(n: int, setting) -> MemoryEstimate:
-            return self.peak(n, int(n * predicting_fraction), *setting, num_micro_batches=num_micro_batches, layout=layout)
+        def fit_at(n: int, setting) -> Fit:
+            return self.fit_at(n, *setting, num_micro_batches=num_micro_batches, layout=layout, micro_batch=micro_batch)
 
         for setting in ladder:
-            if peak_at(min_tokens, setting).total <= budget_bytes:
-                most = self._most_tokens(lambda n: peak_at(n, setting).total, budget_bytes, multiple)
-                most = max(most, min_tokens)
-                return Fit(setting[0], setting[1], most, peak_at(most, setting))
+            if fit_at(min_tokens, setting).estimate.total <= budget_bytes:
+                most = self._most_tokens(lambda n: fit_at(n, setting).estimate.total, budget_bytes, multiple, min_tokens)
+                return fit_at(most, setting)
+        last = fit_at(min_tokens, ladder[-1])
         raise ValueError(
-            f"a micro-batch of {min_tokens:,} tokens needs more than the memory budget of {budget_bytes / GIB:.1f} GiB: "
-            f"with {ladder[-1][0]} recompute it takes {peak_at(min_tokens, ladder[-1]).describe()}; use more ranks "
+            f"a micro-batch of {last.micro_batch_tokens:,} tokens"
+            + ("" if last.micro_batch_tokens == min_tokens else f" on the {layout} layout (planned with {min_tokens:,})")
+            + f" needs more than the memory budget of {budget_bytes / GIB:.1f} GiB: "
+            f"with {ladder[-1][0]} recompute it takes {last.estimate.describe()}; use more ranks "
             "(tp, pp, cp) or shorter sequences"
         )
 
+    def fit_at(self, tokens: int, recompute: str, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
+               layout: str = "packed", micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None) -> "Fit":
+        """The ``Fit`` of one setting at ``tokens`` (``fit``'s arguments; ``micro_batch`` None: all rows
+        predict), whether it fits or not: what a run with that setting is predicted to take."""
+        layout_tokens, rows = (tokens, tokens) if micro_batch is None else micro_batch(tokens)
+        estimate = self.peak(layout_tokens, rows, recompute, recompute_layers, num_micro_batches, layout=layout)
+        return Fit(recompute, recompute_layers, tokens, estimate, layout, layout_tokens)
+
     @staticmethod
-    def _most_tokens(peak_of, budget: float, multiple: int) -> int:
-        """The largest multiple of ``multiple`` whose peak fits (peaks grow with tokens), or 0."""
-        if peak_of(multiple) > budget:
-            return 0
-        lo, hi = 1, 2
+    def _most_tokens(peak_of, budget: float, multiple: int, least: int) -> int:
+        """The largest multiple of ``multiple`` whose peak fits (peaks grow with tokens), searched upwards
+        from ``least`` (which fits), or ``least`` when no larger multiple does."""
+        lo = -(-least // multiple)
+        if peak_of(lo * multiple) > budget:
+            return least
+        hi = 2 * lo
         while peak_of(hi * multiple) <= budget:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
@@ -453,12 +470,17 @@ class Fit:
 
     recompute: str
     recompute_layers: Optional[int]
-    tokens: int
+    tokens: int  # the tokens ``fit`` searched over: a micro-batch's, or its planning budget (``micro_batch``)
     estimate: MemoryEstimate
+    layout: str
+    micro_batch_tokens: int  # of the largest micro-batch, in ``layout``
 
     def describe(self) -> str:
         layers = "" if self.recompute_layers is None else f" + {self.recompute_layers} full layer(s) per stage"
-        return f"recompute {self.recompute}{layers}, micro-batch {self.tokens:,} tokens, predicted peak {self.estimate.describe()}"
+        micro_batch = (f"micro-batch {self.tokens:,} {self.layout} tokens" if self.micro_batch_tokens == self.tokens else
+                       f"micro-batches planned with {self.tokens:,} packed tokens, the largest {self.micro_batch_tokens:,} "
+                       f"{self.layout} tokens")
+        return f"layout {self.layout}, recompute {self.recompute}{layers}, {micro_batch}, predicted peak {self.estimate.describe()}"
 
 
 def device_budget(device=None, margin: float = DEFAULT_MARGIN) -> float:

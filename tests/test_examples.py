@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dualkv import RolloutGroup, pack_groups
+from megatron_dualkv import CostModel, RolloutGroup, pack_groups, plan_micro_batches
+from megatron_dualkv.memory import GIB, MemoryModel
 from megatron_dualkv.models import build_model, load_model
-from megatron_dualkv.rl import RLMicroBatch, forward_backward, forward_logprobs
+from megatron_dualkv.rl import ResponseTokens, RLMicroBatch, forward_backward, forward_logprobs, plan_mini_batches
 from megatron_dualkv.rollout_io import read_rollouts
 from rollouts import make_groups, make_hf_tokenizer
 
@@ -334,7 +335,70 @@ def test_bench_halves_the_micro_batch_until_it_fits(bench, monkeypatch):
                                 result=bench.Result("m", 1, n=16, p=100, r=10, layout="replicated"))
     assert calls == [260, 180, 140, 140, 140, 140]
     assert (result.micro_batch_responses, result.micro_batch_tokens, result.micro_batches) == (4, 4 * 110, 4)
+    assert result.max_tokens == calls[-1] == 140  # what the launch script's --max-tokens plans the same way
     assert result.step_s == pytest.approx(0.5) and result.tflops == pytest.approx(4.0) and result.mfu == pytest.approx(0.4)
+
+
+def test_replicated_auto_takes_the_benchmarks_setting_in_packed_tokens(script, bench):
+    """--layout replicated --recompute auto --max-tokens auto, Qwen3-4B, one 16 x 8192 x 1024 group,
+    an H200 less 8%: the benchmark's replicated setting (selective, 2 responses per micro-batch), as
+    the most packed tokens whose planned micro-batches, replicated, the memory model fits. The
+    benchmark's "mb tokens" of that row, 18,432, are replicated tokens: as --max-tokens they plan 8
+    responses per micro-batch, 73,728 replicated tokens, which the launch script ran out of memory on."""
+    n, p, r = 16, 8192, 1024
+    group, budget = bench.rollout_group(n, p, r, 151_936, seed=n), 0.92 * 140.4 * GIB
+    memory = MemoryModel.for_card("qwen3-4b")
+    best = bench.candidate_settings(memory, CostModel.from_config(memory.config, memory.vocab_size), budget, (n, p, r),
+                                    "replicated")[0]
+    args = script.parse_args(["--model", "qwen3-4b", "--layout", "replicated", "--recompute", "auto", "--max-tokens", "auto",
+                              "--global-batch-size", "1"])
+    fit = script.fit_within(args, [group], budget)
+
+    def responses_per_micro_batch(max_tokens):
+        return max(len(mb.response_index) for mb in plan_micro_batches([group], max_tokens).ranks[0])
+
+    assert (args.recompute, args.recompute_layers, best.recompute, best.recompute_layers) == ("selective", None, "selective", 0)
+    assert responses_per_micro_batch(args.max_tokens) == best.responses == 2
+    assert (fit.tokens, fit.micro_batch_tokens) == (args.max_tokens, 2 * (p + r))
+    assert fit.estimate.total == memory.peak(2 * (p + r), 2 * r, "selective", layout="replicated").total <= budget
+    assert responses_per_micro_batch(args.max_tokens + 1) == 3
+    assert memory.peak(3 * (p + r), 3 * r, "selective", layout="replicated").total > budget
+    assert fit.describe().startswith(f"layout replicated, recompute selective, micro-batches planned with "
+                                     f"{args.max_tokens:,} packed tokens, the largest 18,432 replicated tokens")
+    args = script.parse_args(["--model", "qwen3-4b", "--layout", "replicated", "--recompute", "selective",
+                              "--max-tokens", "18432", "--global-batch-size", "1"])
+    assert responses_per_micro_batch(18432) == 8
+    with pytest.raises(script.InputError, match=r"a micro-batch of 73,728 tokens on the replicated layout \(planned with "
+                                                r"18,432\) needs more than the memory budget of 129\.2 GiB"):
+        script.fit_within(args, [group], budget)
+
+
+@pytest.mark.parametrize("rollouts", ["groups", "episodes"])
+def test_replicated_sizes_are_those_the_model_runs(script, policy_args, rollouts):
+    """What the memory model is asked about for --layout replicated (``replicated_micro_batch``): the
+    tokens of the largest micro-batch that the model receives in the step, and the rows that predict
+    a trained token (``ResponseTokens``, which the replicated log-probs gather), for rollout groups of
+    uneven lengths split over the budget and for agent episodes (masked tool tokens)."""
+    if rollouts == "groups":
+        groups = [RolloutGroup(list(range(1, 21)), [[50 + i] * (3 + i) for i in range(12)], rewards=[i % 2 for i in range(12)]),
+                  RolloutGroup([7, 8, 9], [[10, 11], [12]], rewards=[1.0, 0.0])]
+        max_tokens = 64
+    else:
+        groups = script.file_groups(read_rollouts(AGENT_EPISODES, 256, ROOT / "examples" / "data" / "tokenizer.model"))[:2]
+        max_tokens = max(len(t.tokens) for g in groups for t in g) + 40
+    args = script.parse_args(["--layout", "replicated", "--global-batch-size", "2", "--steps", "1",
+                              "--max-tokens", str(max_tokens)])
+    policy = script.build_policy(policy_args)
+    step_rollouts = script.step_rollouts(groups, script.step_indices(len(groups), 1, 2))
+    seen = []
+    policy.model.module.register_forward_pre_hook(lambda _, a, kw: seen.append(kw["input_ids"].numel()), with_kwargs=True)
+    script.policy_update_step(policy, step_rollouts, script.LOSSES["grpo"], max_tokens, "replicated")
+    largest = script.replicated_micro_batch(args, groups, 1, policy.cost.attention_weight, policy.token_multiple)(max_tokens)
+    assert len(seen) > 1 and largest[0] == max(seen)
+    advantages = torch.zeros(sum(len(g) if isinstance(g, list) else len(g.responses) for g in groups))
+    (mini,) = plan_mini_batches(step_rollouts, 1, max_tokens, advantages, attention_weight=policy.cost.attention_weight)
+    sizes = [(seq, ResponseTokens.of(mb.batch).num_tokens) for seq, mb in zip(seen, mini.micro_batches)]
+    assert largest == max(sizes)
 
 
 def test_bench_update_replaces_only_the_rows_of_the_models_measured(bench, tmp_path, capsys):

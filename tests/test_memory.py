@@ -75,6 +75,22 @@ def test_fit_picks_the_least_recompute_and_the_most_tokens():
         memory.fit(50 * GIB, tokens)  # the weights and Adam alone take 67.5 GiB
 
 
+def test_fit_searches_a_budget_whose_micro_batches_it_sizes_apart():
+    """``micro_batch``: the budget fit searches (packed tokens) gives micro-batches of other sizes on
+    the layout (here 4 replicated tokens and 1 predicting row per packed token): the peaks, the most
+    budget and the error are those of the micro-batches."""
+    memory = MemoryModel.for_card("qwen3-4b")
+    as_replicated = dict(layout="replicated", micro_batch=lambda n: (4 * n, n))
+    budget = memory.predict(4 * 6000, 6000, "selective", layout="replicated").total
+    fit = memory.fit(budget, 2048, recompute="selective", **as_replicated)
+    assert 6000 <= fit.tokens < 6016 and fit.micro_batch_tokens == 4 * fit.tokens
+    assert fit.estimate.total == memory.predict(4 * fit.tokens, fit.tokens, "selective", layout="replicated").total
+    assert memory.predict(4 * fit.tokens + 4, fit.tokens + 1, "selective", layout="replicated").total > budget
+    assert "micro-batches planned with" in fit.describe() and "the largest" in fit.describe()
+    with pytest.raises(ValueError, match=r"a micro-batch of 400,000 tokens on the replicated layout \(planned with 100,000\)"):
+        memory.fit(budget, 100_000, recompute="selective", **as_replicated)
+
+
 def test_pipeline_ranks_hold_the_micro_batches_in_flight():
     """1F1B: the first of 4 stages runs 4 forwards before its first backward; the last one 1."""
     memory = MemoryModel.for_card("qwen3-4b", ParallelSizes(pp=4))

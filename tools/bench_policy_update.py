@@ -83,7 +83,8 @@ class Result:
     r: int
     layout: str
     micro_batch_responses: int = 0
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = 0  # of the largest micro-batch, in the layout's own tokens (replicated: every copy)
+    max_tokens: int = 0  # the step's micro-batch budget in packed tokens: the launch script's --max-tokens for this row
     micro_batches: int = 0
     step_s: float = float("nan")
     tokens_per_s: float = float("nan")
@@ -177,6 +178,7 @@ def measured(result: Result, k: int, steps, peak_tflops: float) -> Result:
     seconds = statistics.median(s.seconds for s in steps)
     result.micro_batch_responses = k
     result.micro_batch_tokens = p + k * r if result.layout == "packed" else k * (p + r)
+    result.max_tokens = p + k * r  # both layouts plan by packed tokens
     result.micro_batches = steps[0].micro_batches
     result.step_s = seconds
     result.tokens_per_s = steps[0].rollout_tokens / seconds
@@ -441,7 +443,8 @@ def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
                                    max_tokens, repeats, f"{card} agent {layout}: {setting}")
             if steps is None:
                 continue
-            measured_at(result, setting, steps, peak_tflops).micro_batch_tokens = micro_batch_tokens
+            measured_at(result, setting, steps, peak_tflops)
+            result.micro_batch_tokens, result.max_tokens = micro_batch_tokens, max_tokens
             break
         results.append(result)
     results[0].speedup = results[1].step_s / results[0].step_s
@@ -450,14 +453,14 @@ def bench_agent(card: str, args, peak_tflops: float) -> List[Result]:
     return results
 
 
-COLUMNS = ["model", "spec", "N", "P", "R", "layout", "mb resp", "mb tokens", "mbs", "recompute", "step s", "tok/s", "TFLOP/s",
-           "MFU", "recompute FLOPs", "peak GiB", "predicted GiB", "speedup"]
+COLUMNS = ["model", "spec", "N", "P", "R", "layout", "mb resp", "mb tokens", "--max-tokens", "mbs", "recompute", "step s",
+           "tok/s", "TFLOP/s", "MFU", "recompute FLOPs", "peak GiB", "predicted GiB", "speedup"]
 
 
 def row(result: Result) -> str:
     recompute = result.recompute + (f"+{result.recompute_layers}" if result.recompute_layers else "")
     cells = [result.model, result.spec, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
-             result.micro_batch_tokens, result.micro_batches, recompute, f"{result.step_s:.4g}",
+             result.micro_batch_tokens, result.max_tokens, result.micro_batches, recompute, f"{result.step_s:.4g}",
              f"{result.tokens_per_s:,.0f}", f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%",
              f"+{100 * result.recompute_flops:.1f}%", f"{result.peak_gib:.1f}", f"{result.predicted_gib:.1f}",
              "" if result.layout == "replicated" or math.isnan(result.speedup) else f"{result.speedup:.2f}x"]
