@@ -60,34 +60,13 @@ from megatron_dualkv.notices import hide_expected_notices
 
 hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from megatron_dualkv import (  # noqa: E402
-    CostModel, PlannedMicroBatch, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups,
-)
-from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
-from megatron_dualkv.mcore.parallel import FP8_TOKEN_MULTIPLE, current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
-from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
-from megatron_dualkv.models import (  # noqa: E402
-    ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
-    weights_only,
-)
-from megatron_dualkv.models.builder import FP8_FORMATS, param_dtype, uses_transformer_engine  # noqa: E402
-from megatron_dualkv.rl import (  # noqa: E402
-    DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
-    ppo_updates,
-)
-from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, read_rollouts  # noqa: E402
-from megatron_dualkv.run_log import RunLog  # noqa: E402
+import torch  # noqa: E402  (megatron_dualkv imports it anyway)
+from megatron_dualkv._resources import available_cards  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser, exit_with_error  # noqa: E402
+from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, find_tokenizer, read_rollouts  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
-LOSSES = {"grpo": GRPOLoss(), "dapo": DAPOLoss()}
+SAMPLE_TOKENIZER = DATA / "tokenizer.model"  # of the bundled sample rollouts, for the tiny cards' 256-token vocabulary
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 AUTO = "auto"  # --recompute and --max-tokens: chosen by the memory model
 TRANSFORMER_ENGINE = {"auto": None, "on": True, "off": False}  # --transformer-engine -> build_model's use_transformer_engine
@@ -103,7 +82,7 @@ class InputError(ValueError):
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("model and parallelism")
     group.add_argument("--model", default="qwen3-tiny",
                        help="a model card (name in models/, card file or HF config.json: random weights) or a converted "
@@ -116,7 +95,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--transformer-engine", choices=sorted(TRANSFORMER_ENGINE), default="auto",
                        help="the layer spec: Transformer Engine's (on) or the torch-native local one (off); auto: TE's "
                             "when transformer_engine imports and there is a GPU")
-    group.add_argument("--fp8", choices=["off", *FP8_FORMATS], default="off",
+    # off or builder.FP8_FORMATS, written out: the flags are parsed before Megatron-Core is imported
+    group.add_argument("--fp8", choices=("off", "e4m3", "hybrid"), default="off",
                        help="Transformer Engine's linears in FP8 (e4m3, or hybrid: e5m2 gradients), current scaling; "
                             "attention stays in bf16. Needs the TE spec, a GPU with FP8 (Ada, Hopper) and bf16")
     group.add_argument("--layout", choices=["packed", "replicated"], default="packed")
@@ -125,23 +105,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             "(megatron_dualkv.memory)")
     group.add_argument("--recompute-layers", type=int, default=None,
                        help="also recompute the first N layers of every pipeline stage whole")
-    group.add_argument("--memory-margin", type=float, default=DEFAULT_MARGIN,
-                       help="share of the GPU's memory that --recompute auto and --max-tokens auto leave free")
+    group.add_argument("--memory-margin", type=float, default=None,
+                       help="share of the GPU's memory that --recompute auto and --max-tokens auto leave free "
+                            "(default: the memory model's DEFAULT_MARGIN)")
     group = parser.add_argument_group("data")
     group.add_argument("--rollouts", type=Path, default=DATA / "rollouts.jsonl",
                        help="JSONL, one group a line: {prompt, responses, rewards[, logprobs]}; token ids, or text "
                             "(a prompt also as chat messages) with --tokenizer; or one trajectory a line: "
                             "{tokens[, loss_mask], reward, group} or {messages, reward, group} (multi-turn, tool "
                             "outputs masked), e.g. examples/data/agent_episodes.jsonl")
-    group.add_argument("--tokenizer", type=Path, default=DATA / "tokenizer.model",
-                       help="for text rollouts: a SentencePiece .model, a Hugging Face tokenizer.json or model folder")
+    group.add_argument("--tokenizer", type=_tokenizer_path, default=None,
+                       help="for text rollouts: a SentencePiece .model, a Hugging Face tokenizer.json or model folder "
+                            "(default: --model's own, from its folder; the bundled sample rollouts on a tiny card: "
+                            "the bundled sample tokenizer)")
     group.add_argument("--global-batch-size", type=int, default=8, help="rollout groups per step, all DP ranks together")
     group.add_argument("--max-tokens", type=_tokens_or_auto, default=1024,
                        help="micro-batch token budget (packed tokens, on both layouts); auto: the most that fit the GPU "
                             "(packed: the whole largest group when --recompute is auto too, with the least recompute "
                             "that holds it)")
     group = parser.add_argument_group("policy loss and updates")
-    group.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
+    group.add_argument("--loss", choices=("dapo", "grpo"), default="grpo")
     group.add_argument("--mini-batches", type=int, default=1,
                        help="optimizer steps per rollout batch, each on 1/M of its groups (verl: ppo_mini_batch_size)")
     group.add_argument("--ppo-epochs", type=int, default=1, help="passes of the M updates over the rollout batch")
@@ -171,7 +154,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--load", type=Path, default=None, help="resume from the latest checkpoint in this directory")
     group.add_argument("--tensorboard-dir", type=Path, default=None,
                        help="TensorBoard event folder (Megatron's scalar names)")
-    group.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON line per step and per update")
+    group.add_argument("--log-jsonl", type=Path, default=None,
+                       help="one JSON line per step and per update; a new run writes the file anew, a resumed run "
+                            "(--load) appends to it")
     group.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU (default: measured on GPU)")
     group.add_argument("--verbose", action="store_true",
                        help="also show Megatron-Core's notices that Transformer Engine and Apex are not installed and "
@@ -182,14 +167,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def memory_margin_problem(margin: float) -> Optional[str]:
+def memory_margin_problem(margin: Optional[float]) -> Optional[str]:
     """What is wrong with a --memory-margin (this script's and the bench's), None when nothing."""
-    return None if 0 <= margin < 1 else f"--memory-margin must be in [0, 1), got {margin}"
+    return None if margin is None or 0 <= margin < 1 else f"--memory-margin must be in [0, 1), got {margin}"
 
 
 def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
     """What is wrong with the flags on their own (before the model and files are read)."""
-    for name in ("global_batch_size", "max_tokens", "steps", "mini_batches", "ppo_epochs"):
+    for name in ("tp", "pp", "ep", "cp", "global_batch_size", "max_tokens", "steps", "mini_batches", "ppo_epochs"):
         if getattr(args, name) != AUTO and getattr(args, name) < 1:
             yield f"--{name.replace('_', '-')} must be >= 1"
     if args.fp8 != "off" and args.transformer_engine == "off":
@@ -220,19 +205,88 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
         yield f"--lr-decay-steps ({args.lr_decay_steps}) must be larger than --lr-warmup-steps ({args.lr_warmup_steps}) >= 0"
     if not args.rollouts.is_file():
         yield f"--rollouts: file not found: {args.rollouts}"
+    if not (Path(args.model).exists() or args.model in available_cards()):
+        yield f"--model {args.model}: not a card name ({', '.join(available_cards())}), card file or checkpoint folder"
+    if world_problem := _world_problem(args):
+        yield world_problem
+
+
+def _world_problem(args: argparse.Namespace) -> Optional[str]:
+    """Whether the processes that torchrun started (one without it) split into model replicas of
+    --tp x --pp x --cp ranks (the expert layout is checked when the model is built)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    replica = args.tp * args.pp * args.cp
+    if min(args.tp, args.pp, args.cp) < 1 or world % replica == 0:
+        return None
+    sizes = " ".join(f"--{name} {getattr(args, name)}" for name in ("tp", "pp", "cp") if getattr(args, name) > 1)
+    return (f"{sizes}: a model replica spans {replica} processes, and this run has {world}; launch a multiple of "
+            f"{replica}, e.g. torchrun --nproc-per-node {replica} examples/grpo_policy_update.py ...")
 
 
 def _tokens_or_auto(text: str):
     return AUTO if text == AUTO else int(text)
 
 
+def _tokenizer_path(text: str) -> Path:
+    if not text:  # Path("") is the current folder, which transformers would try to read as a tokenizer
+        raise argparse.ArgumentTypeError("an empty path; pass a SentencePiece .model, a Hugging Face tokenizer.json "
+                                         "or model folder, or leave the flag out")
+    return Path(text)
+
+
+if __name__ == "__main__":
+    parse_args()  # bad flags are refused before the imports below, which take seconds
+
+# Megatron-Core and the parts of this library built on it
+import torch.distributed as dist  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megatron_dualkv import (  # noqa: E402
+    CostModel, PlannedMicroBatch, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups,
+)
+from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
+from megatron_dualkv.mcore.parallel import FP8_TOKEN_MULTIPLE, current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
+from megatron_dualkv.models import (  # noqa: E402
+    ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
+    weights_only,
+)
+from megatron_dualkv.models.builder import param_dtype, uses_transformer_engine  # noqa: E402
+from megatron_dualkv.rl import (  # noqa: E402
+    DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
+    ppo_updates,
+)
+from megatron_dualkv.run_log import RunLog  # noqa: E402
+
+LOSSES = {"grpo": GRPOLoss(), "dapo": DAPOLoss()}
+
+
 # --------------------------------------------------------------------------------------- rollouts
 def read_run_rollouts(args: argparse.Namespace, vocab_size: int) -> Rollouts:
     """The rollout file of --rollouts, checked against the flags that need its log-probs."""
-    rollouts = read_rollouts(args.rollouts, vocab_size, args.tokenizer)
+    rollouts = read_rollouts(args.rollouts, vocab_size, rollout_tokenizer(args))
     if args.tis_cap is not None and rollouts.logprobs is None:
         raise InputError(f"--tis-cap needs the inference engine's log-probs: {args.rollouts} has no 'logprobs'")
     return rollouts
+
+
+def rollout_tokenizer(args: argparse.Namespace) -> Optional[Path]:
+    """The tokenizer of text rollouts: --tokenizer; else --model's own (its folder's, or that of its
+    config.json); else, for the bundled sample rollouts, the bundled sample tokenizer (which
+    ``load_tokenizer`` refuses for any vocabulary but the tiny cards'). None: text is refused, never
+    tokenized by another model's tokenizer."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    model = Path(args.model)
+    if model.is_dir() or model.name == "config.json":
+        own = find_tokenizer(model if model.is_dir() else model.parent)
+        if own is not None:
+            return own
+    return SAMPLE_TOKENIZER if args.rollouts.resolve().parent == DATA else None
 
 
 def step_indices(num_groups: int, step: int, global_batch_size: int) -> List[int]:
@@ -300,6 +354,7 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     plan it by packed tokens and then run it replicated (``replicated_micro_batch``)."""
     card = model_card(args)
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
+    args.memory_margin = DEFAULT_MARGIN if args.memory_margin is None else args.memory_margin
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = max(1, world // sizes.model_ranks)
     memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
@@ -483,9 +538,13 @@ def _build_or_load_model(args: argparse.Namespace):
     """--model: a converted Megatron checkpoint folder (its weights, ``load_model``) or a card (random weights)."""
     # the reference policy runs forward only: recompute is the policy's alone
     kwargs = dict(_model_kwargs(args), recompute=args.recompute, recompute_layers=args.recompute_layers)
-    if Path(args.model).is_dir():
-        return load_model(args.model, **kwargs)
-    return build_model(args.model, **kwargs)
+    try:
+        if Path(args.model).is_dir():
+            return load_model(args.model, **kwargs)
+        return build_model(args.model, **kwargs)
+    except ValueError as err:  # Megatron-Core's and build_model's checks of the sizes against the model
+        sizes = " ".join(f"--{name} {getattr(args, name)}" for name in ("tp", "pp", "ep", "cp"))
+        raise InputError(f"--model {args.model} at {sizes}: {err}") from None
 
 
 def build_reference(args: argparse.Namespace):
@@ -843,7 +902,10 @@ def save_checkpoint(directory: Path, step: int, policy: Policy) -> Path:
 
 def model_card(args: argparse.Namespace) -> ModelCard:
     """--model's card: a card name or file, or that of a converted checkpoint folder."""
-    return checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    try:
+        return checkpoint_card(args.model) if Path(args.model).is_dir() else load_card(args.model)
+    except (ValueError, OSError) as err:
+        raise InputError(f"--model {args.model}: {err}") from None
 
 
 def _load_common_state(directory: Path) -> Tuple[Path, dict]:
@@ -910,6 +972,7 @@ def train(args: argparse.Namespace) -> None:
               + (f"{len(groups)} rollout groups" if rollouts.trajectories is None
                  else f"{len(rollouts.trajectories)} trajectories in {len(groups)} groups")
               + f" from {args.rollouts.name}"
+              + ("" if rollouts.tokenizer is None else f" (tokenizer {_shown(rollouts.tokenizer)})")
               + (f" | {ppo.mini_batches} mini-batches x {ppo.epochs} epochs" if ppo.mini_batches * ppo.epochs > 1 else "")
               + (f" | reference {args.ref_load}" if reference is not None else "")
               + (f" | resumed at step {start}" if start else "")
@@ -919,7 +982,7 @@ def train(args: argparse.Namespace) -> None:
                   f"(the GPU less {100 * args.memory_margin:.0f}%)", flush=True)
     if start >= args.steps and rank0:
         print(f"the checkpoint is at step {start}: nothing to run up to --steps {args.steps}")
-    log = RunLog(args.tensorboard_dir, args.log_jsonl) if rank0 else None
+    log = RunLog(args.tensorboard_dir, args.log_jsonl, append=start > 0) if rank0 else None
     progress = tqdm(range(start + 1, args.steps + 1), initial=start, total=args.steps, unit="step", disable=not rank0)
     for step in progress:
         index = step_indices(len(groups), step, args.global_batch_size)
@@ -943,12 +1006,18 @@ def train(args: argparse.Namespace) -> None:
         log.close()
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it lies under it (the bundled files: examples/data/...)."""
+    relative = os.path.relpath(path.resolve())
+    return str(path) if relative.startswith("..") else relative
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     try:
         train(args)
     except (InputError, RolloutFileError) as err:
-        raise SystemExit(f"error: {err}") from None
+        exit_with_error(str(err))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -52,6 +52,11 @@ from .packing import RolloutGroup
 from .trajectories import Trajectory
 
 SENTENCEPIECE_SUFFIX = ".model"
+# The files that make a folder a Hugging Face tokenizer (AutoTokenizer reads it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Embedding rows that a published config adds past its tokenizer's tokens (Qwen3: 151,936 rows for
+# 151,669 tokens): a tokenizer that leaves more of the vocabulary unused belongs to another model.
+VOCAB_PADDING = 1024
 
 
 class RolloutFileError(ValueError):
@@ -67,6 +72,7 @@ class Rollouts:
     groups: List[RolloutGroup]
     logprobs: Optional[List[List[Tensor]]] = None
     trajectories: Optional[List[Trajectory]] = None
+    tokenizer: Optional[Path] = None  # the tokenizer of the text lines; None: the file holds token ids only
 
 
 class SentencePieceTokenizer:
@@ -150,9 +156,17 @@ class HuggingFaceTokenizer:
         return self._tokenizer(text, add_special_tokens=False).input_ids
 
 
+def find_tokenizer(folder) -> Optional[Path]:
+    """``folder`` when it holds a Hugging Face tokenizer (a model folder, a converted checkpoint's
+    copy of one), else None."""
+    folder = Path(folder)
+    return folder if any((folder / name).is_file() for name in TOKENIZER_FILES) else None
+
+
 def load_tokenizer(path, vocab_size: int):
     """The tokenizer at ``path`` (module docstring); RolloutFileError when it is missing, unreadable
-    or larger than the model's vocabulary."""
+    or of another vocabulary than the model's: larger, or smaller by more than the padding of a
+    published config (``VOCAB_PADDING``)."""
     path = Path(path)
     if not path.exists():
         raise RolloutFileError(f"tokenizer not found: {path}")
@@ -160,9 +174,9 @@ def load_tokenizer(path, vocab_size: int):
         tokenizer = SentencePieceTokenizer(path)
     else:
         tokenizer = HuggingFaceTokenizer(_transformers_tokenizer(path), path)
-    if tokenizer.size > vocab_size:
-        raise RolloutFileError(f"tokenizer {path} has {tokenizer.size} pieces, "
-                               f"more than the model's vocab_size {vocab_size}")
+    if not vocab_size - VOCAB_PADDING <= tokenizer.size <= vocab_size:
+        raise RolloutFileError(f"tokenizer {path} has {tokenizer.size:,} tokens, the model's vocabulary {vocab_size:,}: "
+                               "it is another model's tokenizer; pass the model's own (--tokenizer)")
     return tokenizer
 
 
@@ -223,11 +237,12 @@ def read_rollouts(path, vocab_size: int, tokenizer_path=None) -> Rollouts:
         if with_logprobs:
             logprobs.append(_logprobs(record["logprobs"], responses, where))
         groups.append(RolloutGroup(prompt, responses, [float(r) for r in record["rewards"]]))
+    used = Path(tokenizer_path) if loaded else None
     if trajectories:
-        return Rollouts([], trajectories=trajectories)
+        return Rollouts([], trajectories=trajectories, tokenizer=used)
     if not groups:
         raise RolloutFileError(f"{path}: no rollout groups")
-    return Rollouts(groups, logprobs if with_logprobs else None)
+    return Rollouts(groups, logprobs if with_logprobs else None, tokenizer=used)
 
 
 def _json(line: str, where: str):

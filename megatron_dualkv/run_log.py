@@ -4,7 +4,7 @@
 
 * JSONL: ``{"kind": "step", "step": 3, "loss": ..., ...}`` and ``{"kind": "update", "step": 3,
   "update": 7, "epoch": 2, "mini_batch": 1, ...}`` (``update``: the run's update count, 1-based),
-  appended, so a resumed run continues its file.
+  written anew, or appended to (``append=True``: the launch script's resumed runs continue their file).
 * TensorBoard (``torch.utils.tensorboard``, the ``tensorboard`` package): each metric under its tag
   in ``METRICS`` at the step, and the update records' under ``update/<tag>`` at the update count.
   The tags are Megatron-LM's training-loop names where it has one (``learning-rate``,
@@ -42,12 +42,12 @@ UPDATE_PREFIX = "update/"
 class RunLog:
     """TensorBoard and/or JSONL logs of a run (either may be None); call it on one rank."""
 
-    def __init__(self, tensorboard_dir: Optional[Path] = None, jsonl_path: Optional[Path] = None):
+    def __init__(self, tensorboard_dir: Optional[Path] = None, jsonl_path: Optional[Path] = None, append: bool = False):
         self._writer = None if tensorboard_dir is None else _summary_writer(Path(tensorboard_dir))
         self._jsonl = None
         if jsonl_path is not None:
             Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(jsonl_path, "a", encoding="utf-8")
+            self._jsonl = open(jsonl_path, "a" if append else "w", encoding="utf-8")
 
     def step(self, step: int, metrics: Dict[str, Optional[float]]) -> None:
         """The metrics of ``step`` (JSONL keys of ``METRICS``; None: not measured, left out)."""

@@ -290,12 +290,63 @@ def script():
         (["--ref-load", "missing"], "--ref-load: not a checkpoint folder: missing"),
         (["--min-lr", "0.1"], "--min-lr must be between 0 and --lr 0.001, got 0.1"),
         (["--lr-warmup-steps", "4", "--lr-decay-steps", "4"], r"--lr-decay-steps \(4\) must be larger than --lr-warmup-steps \(4\)"),
+        (["--tp", "2"], r"^error: --tp 2: a model replica spans 2 processes, and this run has 1; launch a multiple of 2, "
+                        r"e.g. torchrun --nproc-per-node 2 "),
+        (["--tp", "0"], "--tp must be >= 1"),
+        (["--model", "qwen3-huge"], r"--model qwen3-huge: not a card name \(.*qwen3-tiny.*\), card file or checkpoint folder"),
+        (["--tokenizer", ""], r"--tokenizer: an empty path; pass a SentencePiece .model"),
+        (["--loss", "ppo"], r"^error: argument --loss: invalid choice: 'ppo'"),
     ],
 )
 def test_bad_flags(script, capsys, flags, message):
     with pytest.raises(SystemExit):
         script.parse_args(flags)
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err  # one line, no usage block
+
+
+def test_flags_are_checked_against_the_world_that_torchrun_started(script, capsys, monkeypatch):
+    """--tp 2 --pp 2 on 8 processes (two replicas); on 6 an error, printed by rank 0 only."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert script.parse_args(["--tp", "2", "--pp", "2"]).tp == 2
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setattr("megatron_dualkv.cli.RANK0_GRACE_S", 0)
+    for rank, printed in (("0", "error: --tp 2 --pp 2: a model replica spans 4 processes, and this run has 6;"),
+                          ("3", "")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit:
+            script.parse_args(["--tp", "2", "--pp", "2"])
+        assert exit.value.code == 2 and capsys.readouterr().err.startswith(printed)
+
+
+def test_text_rollouts_take_the_models_own_tokenizer(script, tmp_path):
+    """--tokenizer; else --model's folder's (a converted checkpoint's, a config.json's); else the
+    bundled sample tokenizer for the bundled rollouts only; else none."""
+    ours = tmp_path / "rollouts.jsonl"
+    ours.write_text("")
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "config.json").write_text((ROOT / "models" / "qwen3-tiny.json").read_text())
+
+    def chosen(*flags):
+        return script.rollout_tokenizer(script.parse_args(list(map(str, flags))))
+
+    assert chosen() == script.SAMPLE_TOKENIZER == ROOT / "examples" / "data" / "tokenizer.model"
+    assert chosen("--rollouts", ROOT / "examples" / "data" / "agent_episodes.jsonl") == script.SAMPLE_TOKENIZER
+    assert chosen("--rollouts", ours) is None
+    assert chosen("--rollouts", ours, "--model", folder) is None  # the folder holds no tokenizer
+    (folder / "tokenizer.json").write_text("{}")
+    assert chosen("--rollouts", ours, "--model", folder) == folder
+    assert chosen("--rollouts", ours, "--model", folder / "config.json") == folder
+    assert chosen("--model", folder) == folder
+    assert chosen("--model", folder, "--tokenizer", tmp_path / "t.model") == tmp_path / "t.model"
+
+
+def test_a_real_model_refuses_the_sample_tokenizer(script):
+    args = script.parse_args(["--model", "qwen3-4b"])
+    with pytest.raises(script.RolloutFileError, match=r"tokenizer .*tokenizer.model has 256 tokens, the model's "
+                                                      r"vocabulary 151,936: it is another model's tokenizer"):
+        script.read_run_rollouts(args, 151_936)
 
 
 def test_input_errors_name_what_is_wrong(script, tmp_path):

@@ -75,14 +75,34 @@ def test_text_rollouts_need_a_tokenizer_that_fits_the_vocabulary(tmp_path):
         read_rollouts(path, 256, tokenizer_path=None)
     with pytest.raises(RolloutFileError, match=r"tokenizer not found"):
         read_rollouts(path, 256, tokenizer_path=tmp_path / "missing.model")
-    with pytest.raises(RolloutFileError, match=r"has 256 pieces, more than the model's vocab_size 100"):
+    with pytest.raises(RolloutFileError, match=r"has 256 tokens, the model's vocabulary 100: it is another model's tokenizer"):
         read_rollouts(path, 100, tokenizer_path=SENTENCEPIECE)
-    (group,) = read_rollouts(path, 256, tokenizer_path=SENTENCEPIECE).groups
+    rollouts = read_rollouts(path, 256, tokenizer_path=SENTENCEPIECE)
+    (group,) = rollouts.groups
+    assert rollouts.tokenizer == SENTENCEPIECE
     assert group.prompt[0] == 1 and all(r[-1] == 2 for r in group.responses)  # <s> prompt, response </s>
     assert group.rewards == [1.0, 0.0]
     chat = write(tmp_path, {"prompt": [{"role": "user", "content": "2 + 2?"}], "responses": ["4"], "rewards": [1]})
     with pytest.raises(RolloutFileError, match=r":1: chat prompts need a Hugging Face tokenizer with a chat template"):
         read_rollouts(chat, 256, tokenizer_path=SENTENCEPIECE)
+
+
+@pytest.mark.parametrize("vocab_size, fits", [(256, True), (256 + 1024, True), (256 + 1025, False), (255, False),
+                                              (151_936, False)])
+def test_a_tokenizer_fits_only_its_models_vocabulary(vocab_size, fits):
+    """The 256-token sample tokenizer: in a vocabulary padded past it by at most 1,024 rows (as
+    published configs pad theirs); not in a smaller one, nor in Qwen3's."""
+    if fits:
+        assert load_tokenizer(SENTENCEPIECE, vocab_size).size == 256
+    else:
+        with pytest.raises(RolloutFileError, match=rf"has 256 tokens, the model's vocabulary {vocab_size:,}: "
+                                                   r"it is another model's tokenizer; pass the model's own \(--tokenizer\)"):
+            load_tokenizer(SENTENCEPIECE, vocab_size)
+
+
+def test_token_id_files_use_no_tokenizer(tmp_path):
+    path = write(tmp_path, {"prompt": [1, 2], "responses": [[3]], "rewards": [1]})
+    assert read_rollouts(path, 256, tokenizer_path=SENTENCEPIECE).tokenizer is None
 
 
 def test_hugging_face_tokenizer_folder_with_a_chat_template(tmp_path, hf_folder):
@@ -118,7 +138,7 @@ def test_a_bare_tokenizer_json(tmp_path, hf_folder):
     chat = write(tmp_path, {"prompt": [{"role": "user", "content": "2 + 2?"}], "responses": ["4"], "rewards": [1]})
     with pytest.raises(RolloutFileError, match=r":1: chat prompts need a chat template, and the tokenizer .*tokenizer.json has none"):
         read_rollouts(chat, 256, hf_folder / "tokenizer.json")
-    with pytest.raises(RolloutFileError, match=r"has 200 pieces, more than the model's vocab_size 150"):
+    with pytest.raises(RolloutFileError, match=r"has 200 tokens, the model's vocabulary 150: it is another model's tokenizer"):
         load_tokenizer(hf_folder, 150)
     (tmp_path / "empty").mkdir()
     with pytest.raises(RolloutFileError, match=r"tokenizer .*empty: not a SentencePiece .model, tokenizer.json or tokenizer folder"):

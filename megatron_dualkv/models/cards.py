@@ -11,9 +11,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, Union
 
-from .._resources import resource_dir
+from .._resources import available_cards, cards_dir  # noqa: F401  (available_cards: exported here)
 
 
 @dataclass(frozen=True)
@@ -24,15 +24,6 @@ class ModelCard:
     @property
     def model_type(self) -> str:
         return self.config.get("model_type", "")
-
-
-def cards_dir() -> Path:
-    """The installed ``megatron_dualkv.cards`` package, or ``models/`` of a source checkout that was not installed."""
-    return resource_dir("megatron_dualkv.cards", "models")
-
-
-def available_cards() -> List[str]:
-    return sorted(path.stem for path in cards_dir().glob("*.json"))
 
 
 def load_card(card: Union[str, os.PathLike, ModelCard]) -> ModelCard:
