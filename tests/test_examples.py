@@ -678,6 +678,33 @@ def test_rl_loop_jsonl_tensorboard_and_plots_agree(rl_loop):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_jsonl_log_is_written_anew_unless_appended_to(tmp_path):
+    from megatron_dualkv.run_log import RunLog
+
+    path = tmp_path / "run.jsonl"
+    for step, append in ((1, False), (2, False), (3, True)):
+        log = RunLog(jsonl_path=path, append=append)
+        log.step(step, {"loss": 0.5})
+        log.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [2, 3]
+
+
+@pytest.mark.parametrize("runs, expected", [
+    ([[1, 2, 3, 4]], {1: 0, 2: 0, 3: 0, 4: 0}),
+    ([[1, 2, 3, 4], [1, 2]], {1: 1, 2: 1}),  # run again into the same file: the rerun alone
+    ([[1, 2, 3, 4], [3, 4, 5]], {1: 0, 2: 0, 3: 1, 4: 1, 5: 1}),  # resumed after step 2
+])
+def test_plot_run_draws_the_last_run_of_a_file_and_says_so(tmp_path, capsys, runs, expected):
+    plot_run = load(ROOT / "tools" / "plot_run.py", "plot_run")
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps({"kind": kind, "step": step, "loss": float(run)}) + "\n"
+                            for run, steps in enumerate(runs) for step in steps for kind in ("update", "step")))
+    assert dict(plot_run.read_jsonl(path)["loss"]) == expected
+    said = capsys.readouterr().out
+    assert said == ("" if len(runs) == 1 else
+                    f"{path} holds {len(runs)} runs: plotting the last, steps {min(expected)}-{max(expected)}\n")
+
+
 # ------------------------------------------------------------------------ a step, in this process
 @pytest.fixture(scope="module")
 def policy_args(script):

@@ -6,7 +6,9 @@
 
 One panel per metric, against the step: the per-step records (``kind: step`` lines; the
 TensorBoard scalars without the ``update/`` prefix), under the names of
-``megatron_dualkv.run_log.METRICS``. A metric the run did not log is left out.
+``megatron_dualkv.run_log.METRICS``. A metric the run did not log is left out. Of a JSONL file that
+holds several runs (the launch script writes a file anew, but a resumed run appends, and so may an
+older version) the last is drawn, with the steps it resumed after, and the tool says so.
 """
 from __future__ import annotations
 
@@ -28,8 +30,23 @@ Curves = Dict[str, List[Tuple[int, float]]]  # metric -> (step, value), in step 
 
 
 def read_jsonl(path: Path) -> Curves:
-    """The per-step metrics of a --log-jsonl file (a resumed run's repeated steps: the last record wins)."""
+    """The per-step metrics of the last run in a --log-jsonl file: a run that resumed another takes
+    that run's steps before its first."""
+    runs = jsonl_runs(path)
     by_step: Dict[int, dict] = {}
+    for run in runs:  # a later run's steps replace the earlier runs' from its first step on
+        by_step = {step: record for step, record in by_step.items() if step < run[0]["step"]}
+        by_step.update((record["step"], record) for record in run)
+    if len(runs) > 1:
+        steps = sorted(by_step)
+        print(f"{path} holds {len(runs)} runs: plotting the last, steps {steps[0]}-{steps[-1]}")
+    return {name: [(step, by_step[step][name]) for step in sorted(by_step) if name in by_step[step]] for name in METRICS}
+
+
+def jsonl_runs(path: Path) -> List[List[dict]]:
+    """The step records of a --log-jsonl file, run by run: a run starts where the step does not grow
+    (a rerun appended to the file, or a run resumed from an earlier step)."""
+    runs: List[List[dict]] = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -37,9 +54,12 @@ def read_jsonl(path: Path) -> Curves:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        if record.get("kind") == "step":
-            by_step[record["step"]] = record
-    return {name: [(step, by_step[step][name]) for step in sorted(by_step) if name in by_step[step]] for name in METRICS}
+        if record.get("kind") != "step":
+            continue
+        if not runs or record["step"] <= runs[-1][-1]["step"]:
+            runs.append([])
+        runs[-1].append(record)
+    return runs
 
 
 def read_tensorboard(folder: Path) -> Curves:
