@@ -48,6 +48,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]  # the other tools, the package; also when imported by path
 from megatron_dualkv import DualKVLayout, PackedLayout, Trajectory, dualkv_attn_func, pack_trajectories  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser, exit_with_error  # noqa: E402
 from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
@@ -355,7 +356,7 @@ class GpuSampler:
 
     def __init__(self):
         if shutil.which("nvidia-smi") is None:
-            raise SystemExit("--sustained reads the clock and power with nvidia-smi, which is not on PATH")
+            exit_with_error("--sustained reads the clock and power with nvidia-smi, which is not on PATH")
         # the UUID names this process's GPU whatever CUDA_VISIBLE_DEVICES renumbered
         uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
         gpu = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
@@ -505,7 +506,7 @@ def write_table(rows, path, columns):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default="bench")

@@ -31,6 +31,7 @@ from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
 
 hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
 from bench_attention import bench, sbhd_attention, write_table  # noqa: E402  (tools/ is on sys.path when run as a script)
+from megatron_dualkv.cli import ArgumentParser  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
 from megatron_dualkv import DualKVLayout  # noqa: E402
 from megatron_dualkv.mcore import DualKVPackedSeqParams  # noqa: E402
@@ -154,7 +155,7 @@ def run_layer(model, kind: str, n: int, p: int, r: int, methods):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_verbose_flag(parser)
     parser.add_argument("--card", default="gemma4-31b")
     parser.add_argument("--n", type=int, default=16)

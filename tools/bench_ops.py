@@ -32,6 +32,7 @@ import torch
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]  # the other tools, the package; also when imported by path
 from bench_attention import bench, write_table  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser  # noqa: E402
 from tool_args import comma_names  # noqa: E402
 from megatron_dualkv.layout import DualKVLayout  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func, geglu_reference  # noqa: E402
@@ -197,7 +198,7 @@ def logprobs_main(args, device: torch.device) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("elementwise", "logprobs"), default="elementwise")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")

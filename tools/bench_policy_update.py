@@ -56,6 +56,7 @@ from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, p
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
 
 WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
@@ -547,7 +548,7 @@ def measure_alone(name: str, args) -> List[Result]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny cards and small groups (a dry run of the code paths)")
     parser.add_argument("--full-depth", action="store_true",

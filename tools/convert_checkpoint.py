@@ -30,12 +30,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
 
 hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
+from megatron_dualkv.cli import ArgumentParser, exit_with_error  # noqa: E402
 from tool_args import add_verbose_flag  # noqa: E402
-from megatron_dualkv.models import hf_to_megatron, megatron_to_hf  # noqa: E402
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_verbose_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     to_megatron = commands.add_parser("hf-to-megatron", help="Hugging Face folder -> Megatron checkpoint folder")
@@ -53,13 +53,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     to_hf.add_argument("--out", required=True, help="Hugging Face folder to create (must not exist)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB (default 5GB)")
     args = parser.parse_args(argv)
+    from megatron_dualkv.models import hf_to_megatron, megatron_to_hf  # after the flags: Megatron-Core takes seconds
+
     try:
         if args.command == "hf-to-megatron":
             hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, text_only=args.text_only, card=args.card)
         else:
             megatron_to_hf(args.megatron, args.out, max_shard_size=args.max_shard_size)
     except ValueError as err:
-        parser.exit(2, f"{parser.prog} {args.command}: error: {err}\n")
+        exit_with_error(f"{args.command}: {err}")
     print(f"wrote {args.out}")
 
 

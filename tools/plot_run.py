@@ -22,6 +22,7 @@ from typing import Dict, List, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 from megatron_dualkv.run_log import METRICS, UPDATE_PREFIX  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser, exit_with_error  # noqa: E402
 from tool_args import comma_names  # noqa: E402
 
 DEFAULT_METRICS = ("loss", "reward", "margin", "clip_fraction", "ratio", "kl", "entropy", "rollout_mismatch", "lr",
@@ -119,7 +120,7 @@ def plot(curves: Curves, metrics: Sequence[str], out: Path, title: str) -> List[
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="a --log-jsonl file or a --tensorboard-dir folder")
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: next to the run, <name>.png)")
     parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help=f"comma-separated, of {', '.join(METRICS)}")
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
     try:
         drawn = plot(read_run(args.run), metrics, out, str(args.run))
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+        exit_with_error(str(err))
     print(f"wrote {out} ({', '.join(drawn)})")
 
 
