@@ -341,6 +341,7 @@ def fit_to_memory(args: argparse.Namespace, groups: List[Rollout]) -> Optional[F
         return None
     if not torch.cuda.is_available():
         raise InputError("--recompute auto and --max-tokens auto fit the micro-batch to the GPU's memory: they need CUDA")
+    args.memory_margin = DEFAULT_MARGIN if args.memory_margin is None else args.memory_margin
     return fit_within(args, groups, device_budget(margin=args.memory_margin))
 
 
@@ -354,7 +355,6 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     plan it by packed tokens and then run it replicated (``replicated_micro_batch``)."""
     card = model_card(args)
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
-    args.memory_margin = DEFAULT_MARGIN if args.memory_margin is None else args.memory_margin
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = max(1, world // sizes.model_ranks)
     memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
