@@ -149,6 +149,6 @@ def test_the_first_line_names_the_spec(script):
 @no_te
 @pytest.mark.slow
 def test_the_launch_script_refuses_transformer_engine_without_it_in_one_line():
-    result = run(SCRIPT, "--transformer-engine", "on", "--steps", "1", expect_rc=1)
+    result = run(SCRIPT, "--transformer-engine", "on", "--steps", "1", expect_rc=2)
     assert result.stderr.strip().splitlines()[-1].startswith("error: --transformer-engine on: ")
     assert "Traceback" not in result.stderr

@@ -55,6 +55,7 @@ import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
+from megatron_dualkv.models.builder import FP8_FORMATS  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 from megatron_dualkv.cli import ArgumentParser  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
@@ -572,7 +573,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="instead of writing into --out: replace the measured models' rows of this table")
     parser.add_argument("--transformer-engine", choices=sorted(policy_update.TRANSFORMER_ENGINE), default="auto",
                         help="the layer spec, as the launch script's flag (a column of the table)")
-    parser.add_argument("--fp8", choices=["off", *policy_update.FP8_FORMATS], default="off",
+    parser.add_argument("--fp8", choices=["off", *FP8_FORMATS], default="off",
                         help="Transformer Engine's linears in FP8, as the launch script's flag")
     parser.add_argument("--workloads", default=None,
                         help="comma list of the model's workloads to measure, as NxPxR (default: all of them)")
