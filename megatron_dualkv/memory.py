@@ -66,24 +66,30 @@ def _keys_are_values(config, layer_number: int) -> bool:
 
 def layer_parameters(config, layer_number: int, sizes: ParallelSizes) -> ParameterCounts:
     """One decoder layer's parameters on one rank (``layer_number`` 1-based, as Megatron numbers them)."""
+    h, d = config.hidden_size, _layer_config(config, layer_number).kv_channels
+    norms = 2 * h + (2 * d if config.qk_layernorm else 0) + (2 * h if _has_post_norms(config) else 0)
+    linears = layer_linear_parameters(config, layer_number, sizes)
+    router = config.num_moe_experts * h if moe_layer_flags(config)[layer_number - 1] else 0
+    return linears + ParameterCounts(dense=norms + router)
+
+
+def layer_linear_parameters(config, layer_number: int, sizes: ParallelSizes) -> ParameterCounts:
+    """The weights (and biases) of one decoder layer's linears on one rank (what Transformer Engine's
+    linears quantize under FP8); no norms, no MoE router."""
     layer = _layer_config(config, layer_number)
     h, d = config.hidden_size, layer.kv_channels
     q, kv = layer.num_attention_heads * d, layer.num_query_groups * d
     kv_projections = 1 if _keys_are_values(config, layer_number) else 2
     qkv = h * (q + kv_projections * kv) + (q + kv_projections * kv if config.add_qkv_bias else 0)
     attention = qkv + q * h + (h if config.add_bias_linear else 0)
-    norms = 2 * h + (2 * d if config.qk_layernorm else 0) + (2 * h if _has_post_norms(config) else 0)
     gated = 2 if config.gated_linear_unit else 1
     if moe_layer_flags(config)[layer_number - 1]:
         f = config.moe_ffn_hidden_size
         experts = config.num_moe_experts * (gated + 1) * h * f
         shared = (gated + 1) * h * (config.moe_shared_expert_intermediate_size or 0)
-        return ParameterCounts(
-            dense=(attention + shared) // sizes.tp + norms + config.num_moe_experts * h,
-            expert=experts // (sizes.ep * sizes.etp),
-        )
+        return ParameterCounts(dense=(attention + shared) // sizes.tp, expert=experts // (sizes.ep * sizes.etp))
     mlp = (gated + 1) * h * config.ffn_hidden_size
-    return ParameterCounts(dense=(attention + mlp) // sizes.tp + norms)
+    return ParameterCounts(dense=(attention + mlp) // sizes.tp)
 
 
 def _has_post_norms(config) -> bool:
@@ -322,9 +328,6 @@ class MemoryModel:
         }
         if self.ref_model:
             parts["reference model"] = params.total * 2
-        if self.fp8:
-            # TE caches each linear's FP8 weight and its transpose (Hopper's FP8 matmuls read both layouts)
-            parts["FP8 weight copies"] = 2 * params.total
         return parts
 
     @property
@@ -335,6 +338,20 @@ class MemoryModel:
         return max(1, self.dp * self.sizes.tp * self.sizes.cp // (self.sizes.ep * self.sizes.etp))
 
     # ---------------------------------------------------------------- activations
+    def fp8_weight_bytes(self, mode: str, recompute_layers: Optional[int] = None, pp_rank: int = 0) -> float:
+        """What FP8 linears keep of their weights for the backward of one micro-batch: each layer that is
+        not recomputed whole keeps its linears' FP8 weights in both layouts (Hopper's FP8 matmuls read
+        the weight and its transpose), 2 bytes a weight (``build_model`` turns TE's cache of them
+        across micro-batches off). 0 without FP8."""
+        if not self.fp8:
+            return 0.0
+        total = 0.0
+        for layers in chunk_layers(self.config, self.sizes, pp_rank):
+            for number, layer_mode in zip(layers, layer_modes(mode, recompute_layers, layers)):
+                if layer_mode != "full":
+                    total += 2 * layer_linear_parameters(self.config, number, self.sizes).total
+        return total
+
     def activation_bytes_per_token(self, mode: str, recompute_layers: Optional[int] = None, pp_rank: int = 0,
                                    layout: str = "packed") -> float:
         """Bytes per micro-batch token that all layers of one rank keep until the backward."""
@@ -391,7 +408,8 @@ class MemoryModel:
         rows = tokens if predicting_rows is None else predicting_rows
         parts = dict(self.static_parts(pp_rank))
         per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
-        parts["activations"] = per_token * tokens * self.in_flight_micro_batches(num_micro_batches, pp_rank)
+        per_micro_batch = per_token * tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank)
+        parts["activations"] = per_micro_batch * self.in_flight_micro_batches(num_micro_batches, pp_rank)
         parts["transient"] = self.transient_bytes(tokens, rows, recompute, recompute_layers, pp_rank, layout)
         return MemoryEstimate(parts)
 

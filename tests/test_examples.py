@@ -479,7 +479,8 @@ def test_bench_update_replaces_only_the_rows_of_the_models_measured(bench, tmp_p
 def test_bench_ranks_settings_by_the_flops_the_step_counts(bench, script, layout):
     """--full-depth's ranking counts a setting's useful FLOPs as the step does: the output layer on
     the rows that predict a trained token (an independent count: the step's, from its packed batch)."""
-    memory, cost, _ = bench.planning_models("qwen3-tiny", SimpleNamespace(dtype="float32", device="cpu", memory_margin=0.08))
+    memory, cost, _ = bench.planning_models("qwen3-tiny", SimpleNamespace(dtype="float32", device="cpu", memory_margin=0.08,
+                                                                   transformer_engine="off", fp8="off"))
     n, p, r = 4, 96, 24
     whole = [s for s in bench.candidate_settings(memory, cost, 1e12, (n, p, r), layout) if s.responses == n]
     group = bench.rollout_group(n, p, r, memory.vocab_size, seed=1)

@@ -118,10 +118,19 @@ def test_te_experts_keep_one_activation_where_ours_keep_three():
     assert _bytes(layer_tensors(config, 1)) - _bytes(layer_tensors(config, 1, transformer_engine=True)) == 2 * k * f * 2
 
 
-def test_fp8_counts_the_weight_copies():
+def test_fp8_weights_are_kept_by_the_layers_that_are_not_recomputed_whole():
     bf16 = MemoryModel.for_card("qwen3-4b", transformer_engine=True)
     fp8 = MemoryModel.for_card("qwen3-4b", transformer_engine=True, fp8=True)
-    assert fp8.static_parts()["FP8 weight copies"] == bf16.static_parts()["weights"]
+    c = fp8.config
+    h, q, kv, f = c.hidden_size, c.num_attention_heads * c.kv_channels, c.num_query_groups * c.kv_channels, c.ffn_hidden_size
+    layer = h * (q + 2 * kv) + q * h + 3 * h * f  # qkv, proj, fc1 (gate and up), fc2
+    assert fp8.fp8_weight_bytes("selective") == 2 * layer * c.num_layers
+    assert fp8.fp8_weight_bytes("selective", 5) == 2 * layer * (c.num_layers - 5)
+    assert fp8.fp8_weight_bytes("full") == bf16.fp8_weight_bytes("none") == 0
+    tokens = 8192
+    extra = fp8.predict(tokens, recompute="selective").parts["activations"] - tokens * fp8.activation_bytes_per_token(
+        "selective")
+    assert extra == fp8.fp8_weight_bytes("selective")
 
 
 @pytest.fixture(scope="module")

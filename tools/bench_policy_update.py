@@ -86,7 +86,6 @@ class Result:
     layout: str
     micro_batch_responses: int = 0
     micro_batch_tokens: int = 0  # of the largest micro-batch, in the layout's own tokens (replicated: every copy)
-    max_tokens: int = 0  # the step's micro-batch budget in packed tokens: the launch script's --max-tokens for this row
     micro_batches: int = 0
     step_s: float = float("nan")
     tokens_per_s: float = float("nan")
@@ -101,6 +100,7 @@ class Result:
     predicted_gib: float = 0.0  # the memory model's peak for the setting (--full-depth)
     workload: str = "group"  # "group": one prompt and N responses; "agent": --agent's trajectories
     spec: str = "local"  # the layer spec, as the launch script's first line names it
+    max_tokens: int = 0  # the step's micro-batch budget in packed tokens: the launch script's --max-tokens for this row
 
     @property
     def name(self) -> str:

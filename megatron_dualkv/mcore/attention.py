@@ -151,11 +151,11 @@ def replicated_attention(
     else:
         block_mask = _causal_block_mask(q.shape[2], window, q.device)
         score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
-        # Compiled FlexAttention found no kernel for a value that is a strided view of linear_qkv's
-        # output as Transformer Engine's SplitAlongDim returns it (H200, torch 2.11)
-        q, k, v = (t.contiguous() for t in (q, k, v))
+        # Triton's kernel by name: where the CuTe DSL is importable (Transformer Engine brings
+        # cuDNN's frontend) the automatic choice tries FlashAttention-4 and fails on small head dims
+        options = {"kernel_options": {"BACKEND": "TRITON"}} if q.is_cuda else {}
         out = _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale,
-                                         enable_gqa=gqa)
+                                         enable_gqa=gqa, **options)
     return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 

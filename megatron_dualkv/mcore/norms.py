@@ -9,8 +9,7 @@ only sees its own tokens: Megatron's ``finalize_model_grads`` does that for ever
 ``sequence_parallel`` (as its Transformer Engine and apex norms mark theirs).
 
 torch runs RMSNorm's backward as separate elementwise kernels (pow, mean, mul, ...), and its
-forward too where the weight's dtype is not the input's: these norms keep float32 weights beside
-bf16 activations (no ``Float16Module`` casts them). On the H200, 17 norms of a 4-layer Qwen3-8B
+forward too where the weight's dtype is not the input's. On the H200, 17 norms of a 4-layer Qwen3-8B
 step cost more than the forward attention, and a Qwen3-4B q norm (24,576 tokens x 32 heads x 128)
 took 1.8 ms forward where one pass over its bytes takes 0.12 (PERF_NOTES.md, run DU). On CUDA
 ``FusedRMSNorm`` runs ``ops.rms_norm``: one Triton kernel per direction, in float32 with the
@@ -54,6 +53,10 @@ class SequenceParallelTorchNorm(WrappedTorchNorm):
         norm = super().__new__(cls, without_sp, hidden_size, eps, **kwargs)
         if type(norm) is torch.nn.RMSNorm:
             norm = FusedRMSNorm(hidden_size, eps=eps)
+        # The parameter dtype, as Transformer Engine's and Gemma's norms: Megatron's mixed-precision
+        # optimizer pairs its state with the 16-bit parameters alone, and a float32 weight among
+        # them shifts that pairing (a checkpoint's optimizer state then fails to save).
+        norm.to(dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
