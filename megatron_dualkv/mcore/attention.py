@@ -151,8 +151,8 @@ def replicated_attention(
     else:
         block_mask = _causal_block_mask(q.shape[2], window, q.device)
         score_mod = None if softcap is None else _softcap_score_mod(float(softcap))
-        # Triton's kernel by name: where the CuTe DSL is importable (Transformer Engine brings
-        # cuDNN's frontend) the automatic choice tries FlashAttention-4 and fails on small head dims
+        # Triton's kernel by name: with Transformer Engine installed, the automatic choice found no
+        # kernel for a small head dim (H200, torch 2.11)
         options = {"kernel_options": {"BACKEND": "TRITON"}} if q.is_cuda else {}
         out = _flex_attention(q.is_cuda)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale,
                                          enable_gqa=gqa, **options)
