@@ -62,14 +62,13 @@ hide_expected_notices()  # before Megatron-Core is imported, which warns at impo
 
 import torch  # noqa: E402  (megatron_dualkv imports it anyway)
 from megatron_dualkv._resources import available_cards  # noqa: E402
-from megatron_dualkv.cli import ArgumentParser, exit_with_error  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser, add_layer_spec_flags, exit_with_error, spec_kwargs  # noqa: E402
 from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, find_tokenizer, read_rollouts  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 SAMPLE_TOKENIZER = DATA / "tokenizer.model"  # of the bundled sample rollouts, for the tiny cards' 256-token vocabulary
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 AUTO = "auto"  # --recompute and --max-tokens: chosen by the memory model
-TRANSFORMER_ENGINE = {"auto": None, "on": True, "off": False}  # --transformer-engine -> build_model's use_transformer_engine
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's name for the last saved step
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 # OptimizerParamScheduler.state_dict() fields -> the flags that set them (the other fields follow from these)
@@ -92,13 +91,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     group.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses)")
-    group.add_argument("--transformer-engine", choices=sorted(TRANSFORMER_ENGINE), default="auto",
-                       help="the layer spec: Transformer Engine's (on) or the torch-native local one (off); auto: TE's "
-                            "when transformer_engine imports and there is a GPU")
-    # off or builder.FP8_FORMATS, written out: the flags are parsed before Megatron-Core is imported
-    group.add_argument("--fp8", choices=("off", "e4m3", "hybrid"), default="off",
-                       help="Transformer Engine's linears in FP8 (e4m3, or hybrid: e5m2 gradients), current scaling; "
-                            "attention stays in bf16. Needs the TE spec, a GPU with FP8 (Ada, Hopper) and bf16")
+    add_layer_spec_flags(group)
     group.add_argument("--layout", choices=["packed", "replicated"], default="packed")
     group.add_argument("--recompute", choices=["none", "selective", "full", "auto"], default="none",
                        help="activation recompute (build_model's recompute); auto: the least that fits the GPU "
@@ -516,13 +509,13 @@ def build_lr_scheduler(optimizer, args: argparse.Namespace) -> OptimizerParamSch
 
 def _model_kwargs(args: argparse.Namespace) -> dict:
     return dict(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dtype=DTYPES[args.dtype] if args.dtype else None,
-                seed=args.seed, use_transformer_engine=_transformer_engine(args), fp8=None if args.fp8 == "off" else args.fp8)
+                seed=args.seed, use_transformer_engine=_transformer_engine(args), fp8=spec_kwargs(args)["fp8"])
 
 
 def _transformer_engine(args: argparse.Namespace) -> bool:
     """Whether the run builds the Transformer Engine spec (--transformer-engine, checked)."""
     try:
-        return uses_transformer_engine(TRANSFORMER_ENGINE[args.transformer_engine])
+        return uses_transformer_engine(spec_kwargs(args)["use_transformer_engine"])
     except (ImportError, ValueError) as err:
         raise InputError(f"--transformer-engine {args.transformer_engine}: {err}") from None
 

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import time
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 USAGE_ERROR = 2  # argparse's exit status for a usage error
 RANK0_GRACE_S = 1.0
@@ -33,3 +33,28 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         exit_with_error(message)
+
+
+# --transformer-engine -> build_model's use_transformer_engine
+TRANSFORMER_ENGINE = {"auto": None, "on": True, "off": False}
+# --fp8's formats: builder.FP8_FORMATS, written out here because the flags are parsed before
+# Megatron-Core is imported (tests/test_transformer_engine.py checks that they agree)
+FP8_CHOICES = ("e4m3", "hybrid")
+
+
+def add_layer_spec_flags(parser) -> None:
+    """``--transformer-engine {auto,on,off}`` and ``--fp8 {off,e4m3,hybrid}``, as the launch script
+    and the tools that build models take them (``spec_kwargs``)."""
+    parser.add_argument("--transformer-engine", choices=sorted(TRANSFORMER_ENGINE), default="auto",
+                        help="the layer spec: Transformer Engine's (on) or the torch-native local one (off); auto: "
+                             "TE's when transformer_engine imports and there is a GPU")
+    parser.add_argument("--fp8", choices=("off", *FP8_CHOICES), default="off",
+                        help="Transformer Engine's linears in FP8 (e4m3, or hybrid: e5m2 gradients), current "
+                             "scaling; attention stays in bf16. Needs the TE spec, a GPU with FP8 (Ada, Hopper) "
+                             "and bf16 parameters")
+
+
+def spec_kwargs(args: argparse.Namespace) -> dict:
+    """``build_model``'s ``use_transformer_engine`` and ``fp8`` of the flags ``add_layer_spec_flags`` adds."""
+    fp8: Optional[str] = None if args.fp8 == "off" else args.fp8
+    return {"use_transformer_engine": TRANSFORMER_ENGINE[args.transformer_engine], "fp8": fp8}

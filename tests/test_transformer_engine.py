@@ -11,7 +11,8 @@ import torch
 from megatron_dualkv.mcore import transformer_engine_available
 from megatron_dualkv.memory import MemoryModel, layer_tensors
 from megatron_dualkv.models import build_model
-from megatron_dualkv.models.builder import fp8_config_kwargs, uses_transformer_engine
+from megatron_dualkv.cli import FP8_CHOICES
+from megatron_dualkv.models.builder import FP8_FORMATS, fp8_config_kwargs, uses_transformer_engine
 from megatron_dualkv.models.family import local_spec_name, load_megatron_state_dict, local_spec_state_dict
 from test_examples import SCRIPT, load, run
 
@@ -47,6 +48,10 @@ def test_fp8_settings_that_cannot_run_name_the_field(fp8, te, dtype, match):
 
 def test_fp8_off_adds_nothing():
     assert fp8_config_kwargs(None, False, torch.float32) == {}
+
+
+def test_the_flags_offer_the_builders_fp8_formats():
+    assert FP8_CHOICES == FP8_FORMATS
 
 
 @pytest.mark.parametrize("te_name, local_name", [

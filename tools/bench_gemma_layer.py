@@ -31,7 +31,7 @@ from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
 
 hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
 from bench_attention import bench, sbhd_attention, write_table  # noqa: E402  (tools/ is on sys.path when run as a script)
-from megatron_dualkv.cli import ArgumentParser  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser, add_layer_spec_flags, spec_kwargs  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
 from megatron_dualkv import DualKVLayout  # noqa: E402
 from megatron_dualkv.mcore import DualKVPackedSeqParams  # noqa: E402
@@ -45,12 +45,12 @@ BASELINES = {
 KNOWN_BASELINES = sorted(set(sum(BASELINES.values(), [])))
 
 
-def two_layer_model(card_name: str):
+def two_layer_model(card_name: str, **spec):
     """The card's architecture with one sliding and one global layer (small vocabulary: the
-    embedding and output layer are not timed)."""
+    embedding and output layer are not timed); spec: ``build_model``'s layer-spec arguments."""
     card = load_card(card_name)
     config = {**card.config, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "vocab_size": 256}
-    return build_model(ModelCard(f"{card.name}-2-layers", config), dtype=torch.bfloat16)
+    return build_model(ModelCard(f"{card.name}-2-layers", config), dtype=torch.bfloat16, **spec)
 
 
 class ReplicatedCoreAttention(torch.nn.Module):
@@ -166,11 +166,12 @@ def main():
                         help="'all', 'none', or a comma list of the replicated methods to time: "
                         + ", ".join(KNOWN_BASELINES))
     parser.add_argument("--out", default="bench")
+    add_layer_spec_flags(parser)
     args = parser.parse_args()
     chosen = {"all": KNOWN_BASELINES, "none": []}.get(args.baselines)
     if chosen is None:
         chosen = comma_names(parser, "--baselines", args.baselines, KNOWN_BASELINES)
-    model = two_layer_model(args.card)
+    model = two_layer_model(args.card, **spec_kwargs(args))
     rows = []
     for kind in args.layers.split(","):
         rows += run_layer(model, kind, args.n, args.p, args.r, [m for m in BASELINES[kind] if m in chosen])

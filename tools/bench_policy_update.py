@@ -55,7 +55,8 @@ import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
-from megatron_dualkv.models.builder import FP8_FORMATS  # noqa: E402
+from megatron_dualkv.cli import add_layer_spec_flags, spec_kwargs  # noqa: E402
+from megatron_dualkv.models.builder import uses_transformer_engine  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 from megatron_dualkv.cli import ArgumentParser  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
@@ -331,8 +332,7 @@ class PolicyCache:
 def planning_models(card: str, args):
     """(memory model, cost model, memory budget) of a full-depth card on this device."""
     memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype],
-                                  transformer_engine=policy_update.uses_transformer_engine(
-                                      policy_update.TRANSFORMER_ENGINE[args.transformer_engine]),
+                                  transformer_engine=uses_transformer_engine(spec_kwargs(args)["use_transformer_engine"]),
                                   fp8=args.fp8 != "off")
     budget = device_budget(margin=args.memory_margin) if args.device == "cuda" else CPU_BUDGET_GIB * GIB
     return memory, CostModel.from_config(memory.config, memory.vocab_size), budget
@@ -571,10 +571,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
     parser.add_argument("--update", type=Path, metavar="CSV",
                         help="instead of writing into --out: replace the measured models' rows of this table")
-    parser.add_argument("--transformer-engine", choices=sorted(policy_update.TRANSFORMER_ENGINE), default="auto",
-                        help="the layer spec, as the launch script's flag (a column of the table)")
-    parser.add_argument("--fp8", choices=["off", *FP8_FORMATS], default="off",
-                        help="Transformer Engine's linears in FP8, as the launch script's flag")
+    add_layer_spec_flags(parser)  # the launch script's flags; the table's spec column
     parser.add_argument("--workloads", default=None,
                         help="comma list of the model's workloads to measure, as NxPxR (default: all of them)")
     parser.add_argument("--layouts", default="packed,replicated",

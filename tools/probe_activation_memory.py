@@ -2,7 +2,7 @@
 
     python tools/probe_activation_memory.py --cards qwen3-4b,gemma3-4b --tokens 8192   # on the GPU
     python tools/probe_activation_memory.py --cards qwen3-tiny --tokens 256            # CPU dry run
-    python tools/probe_activation_memory.py --transformer-engine --fp8 e4m3            # the TE spec, FP8 linears
+    python tools/probe_activation_memory.py --transformer-engine on --fp8 e4m3         # the TE spec, FP8 linears
 
 For each card and recompute mode: models of one and of two layers (the card's first layers) run the
 forward of a packed micro-batch with autograd on; the memory allocated after the forward, minus before,
@@ -28,7 +28,9 @@ from tool_args import add_verbose_flag  # noqa: E402
 from megatron_dualkv import RolloutGroup, pack_groups  # noqa: E402
 from megatron_dualkv.memory import layer_activation_bytes  # noqa: E402
 from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
+from megatron_dualkv.cli import add_layer_spec_flags, spec_kwargs  # noqa: E402
 from megatron_dualkv.models import build_model  # noqa: E402
+from megatron_dualkv.models.builder import uses_transformer_engine  # noqa: E402
 from megatron_dualkv.rl.logprobs import model_output  # noqa: E402
 
 MODES = ("none", "selective", "full")
@@ -68,24 +70,24 @@ def main() -> None:
     parser.add_argument("--cards", default="qwen3-4b,gemma3-4b")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--transformer-engine", action="store_true", help="the TE spec (default: the local one)")
-    parser.add_argument("--fp8", choices=["e4m3", "hybrid"], default=None, help="with --transformer-engine: FP8 linears")
+    add_layer_spec_flags(parser)
     parser.add_argument("--out", default=".")
     add_verbose_flag(parser)
     args = parser.parse_args()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    fp8 = spec_kwargs(args)["fp8"]
+    te = uses_transformer_engine(spec_kwargs(args)["use_transformer_engine"])
     rows = []
     for card in args.cards.split(","):
         for mode in args.modes.split(","):
-            spec = dict(transformer_engine=args.transformer_engine, fp8=args.fp8)
-            one, _ = held_after_forward(card, 1, mode, args.tokens, dtype, **spec)
-            two, config = held_after_forward(card, 2, mode, args.tokens, dtype, **spec)
+            one, _ = held_after_forward(card, 1, mode, args.tokens, dtype, te, fp8)
+            two, config = held_after_forward(card, 2, mode, args.tokens, dtype, te, fp8)
             measured = (two - one) / args.tokens
-            predicted = layer_activation_bytes(config, 2, current_parallel_sizes(config), mode, "packed",
-                                               args.transformer_engine, args.fp8 is not None)
+            predicted = layer_activation_bytes(config, 2, current_parallel_sizes(config), mode, "packed", te,
+                                               fp8 is not None)
             rows.append(dict(card=card, mode=mode, measured=measured, predicted=predicted,
                              deviation=100 * (predicted - measured) / measured))
-    spec = ("Transformer Engine" + (f", fp8 {args.fp8}" if args.fp8 else "")) if args.transformer_engine else "local"
+    spec = ("Transformer Engine" + (f", fp8 {fp8}" if fp8 else "")) if te else "local"
     print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {args.tokens} tokens, {dtype}, "
           f"{spec} spec")
     os.makedirs(args.out, exist_ok=True)
