@@ -29,7 +29,7 @@ their fused TE form), and Megatron's ``TEGroupedMLP`` and ``SequentialMLP`` shar
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -91,12 +91,12 @@ def te_layer(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     """Megatron's TE layer as ``DualKVTransformerLayer``, with our norms wherever a norm stands
     alone (the q/k norms, a MoE layer's pre-MLP norm; with ``recompute_norms`` the input and
     pre-MLP norms too, in front of TE's plain linears), ``DualKVMLP`` where the activation is
-    recomputed, Megatron's ``moe_act`` recompute for TE's experts, and the local layer's checkpoint keys."""
+    recomputed, and the local layer's checkpoint keys."""
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
     if layer.module is not TransformerLayer:
         raise ValueError(f"the TE DualKV spec builds on Megatron's TransformerLayer, got {layer.module.__name__}")
-    layer = with_sequence_parallel_torch_norms(_with_torch_norms(layer))
+    layer = with_sequence_parallel_torch_norms(layer, replacing=_te_norm_classes())
     submodules = layer.submodules
     attention, mlp = submodules.self_attention, with_gathered_permutation(submodules.mlp)
     norms = {}
@@ -114,25 +114,13 @@ def te_layer(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
     return replace(layer, module=DualKVTransformerLayer, submodules=submodules)
 
 
-def _with_torch_norms(spec):
-    """``spec`` with each of Transformer Engine's standalone norms (``TENorm``, also in Megatron's
-    residual-fusing form) as Megatron's ``WrappedTorchNorm``, which the local spec turns into ours."""
-    from megatron.core.extensions.transformer_engine import TENorm
+def _te_norm_classes() -> tuple:
+    """The standalone norms of Megatron's TE spec: ``TENorm``, and on megatron-core 0.19 its
+    residual-fusing form."""
+    from megatron.core.extensions import transformer_engine, transformer_engine_spec_provider
 
-    te_norms = tuple(c for c in (TENorm, getattr(_te_spec_provider(), "_TENormWithResidual", None)) if c is not None)
-    if isinstance(spec, type) and issubclass(spec, te_norms):
-        return WrappedTorchNorm
-    if isinstance(spec, ModuleSpec):
-        return replace(spec, module=_with_torch_norms(spec.module), submodules=_with_torch_norms(spec.submodules))
-    if is_dataclass(spec) and not isinstance(spec, type):
-        return replace(spec, **{f.name: _with_torch_norms(getattr(spec, f.name)) for f in fields(spec) if f.init})
-    return spec
-
-
-def _te_spec_provider():
-    import megatron.core.extensions.transformer_engine_spec_provider as provider
-
-    return provider
+    residual = getattr(transformer_engine_spec_provider, "_TENormWithResidual", None)
+    return (transformer_engine.TENorm,) + ((residual,) if residual is not None else ())
 
 
 def _with_dualkv_attention(block: TransformerBlockSubmodules, self_attention: type = SelfAttention):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import fields, is_dataclass, replace
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -62,19 +62,21 @@ class SequenceParallelTorchNorm(WrappedTorchNorm):
         return norm
 
 
-def with_sequence_parallel_torch_norms(spec: Any) -> Any:
-    """``spec`` (a ``ModuleSpec``, a submodules dataclass, or a list of them) with every
-    ``WrappedTorchNorm`` replaced by ``SequenceParallelTorchNorm``."""
-    if spec is WrappedTorchNorm:
+def with_sequence_parallel_torch_norms(spec: Any, replacing: Tuple[type, ...] = (WrappedTorchNorm,)) -> Any:
+    """``spec`` (a ``ModuleSpec``, a submodules dataclass, or a list of them) with every norm class
+    of ``replacing`` (Megatron's ``WrappedTorchNorm``; in the TE spec also TE's standalone norms)
+    replaced by ``SequenceParallelTorchNorm``."""
+    if isinstance(spec, type) and spec in replacing:
         return SequenceParallelTorchNorm
     if isinstance(spec, list):
-        return [with_sequence_parallel_torch_norms(s) for s in spec]
+        return [with_sequence_parallel_torch_norms(s, replacing) for s in spec]
     if isinstance(spec, ModuleSpec):
         return replace(
             spec,
-            module=with_sequence_parallel_torch_norms(spec.module),
-            submodules=with_sequence_parallel_torch_norms(spec.submodules),
+            module=with_sequence_parallel_torch_norms(spec.module, replacing),
+            submodules=with_sequence_parallel_torch_norms(spec.submodules, replacing),
         )
     if is_dataclass(spec) and not isinstance(spec, type):
-        return replace(spec, **{f.name: with_sequence_parallel_torch_norms(getattr(spec, f.name)) for f in fields(spec) if f.init})
+        return replace(spec, **{f.name: with_sequence_parallel_torch_norms(getattr(spec, f.name), replacing)
+                                for f in fields(spec) if f.init})
     return spec
