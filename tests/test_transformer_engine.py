@@ -12,7 +12,9 @@ from megatron_dualkv.mcore import transformer_engine_available
 from megatron_dualkv.memory import MemoryModel, layer_tensors
 from megatron_dualkv.models import build_model
 from megatron_dualkv.cli import FP8_CHOICES
-from megatron_dualkv.models.builder import FP8_FORMATS, fp8_config_kwargs, uses_transformer_engine
+from megatron_dualkv.models.builder import (
+    FP8_FORMATS, fp8_config_kwargs, refuse_recompute_modules_the_spec_lacks, uses_transformer_engine,
+)
 from megatron_dualkv.models.family import local_spec_name, load_megatron_state_dict, local_spec_state_dict
 from test_examples import SCRIPT, load, run
 
@@ -44,6 +46,14 @@ def test_asking_for_transformer_engine_without_it_names_the_fix(card):
 def test_fp8_settings_that_cannot_run_name_the_field(fp8, te, dtype, match):
     with pytest.raises(ValueError, match=match):
         fp8_config_kwargs(fp8, te, dtype)
+
+
+def test_a_recompute_module_the_te_spec_lacks_is_refused():
+    layernorm = {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}
+    with pytest.raises(ValueError, match=r"recompute_modules \['layernorm'\]: the Transformer Engine spec fuses"):
+        refuse_recompute_modules_the_spec_lacks(layernorm, use_transformer_engine=True)
+    refuse_recompute_modules_the_spec_lacks(layernorm, use_transformer_engine=False)  # the local spec's norms
+    refuse_recompute_modules_the_spec_lacks({**layernorm, "recompute_norms": True}, use_transformer_engine=True)
 
 
 def test_fp8_off_adds_nothing():

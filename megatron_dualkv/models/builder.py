@@ -137,6 +137,7 @@ def build_model(
     overrides = _with_recompute(overrides, recompute, recompute_layers)
     overrides.update(fp8_config_kwargs(fp8, use_transformer_engine, dtype))
     _refuse_te_only_recompute(overrides)
+    refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
     config = build_transformer_config(card, family, sizes, dtype, use_transformer_engine, overrides)
     check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
@@ -275,6 +276,18 @@ def _refuse_te_only_recompute(overrides: Dict[str, Any]) -> None:
             f"recompute_modules {te_only}: Megatron-Core recomputes these through Transformer Engine "
             "(CheckpointWithoutOutput), which is not installed; recompute='selective' recomputes the norms and "
             "activations without it"
+        )
+
+
+def refuse_recompute_modules_the_spec_lacks(overrides: Dict[str, Any], use_transformer_engine: bool) -> None:
+    """ValueError naming ``recompute_modules`` for Megatron's "layernorm" where the TE spec fuses the
+    input and pre-MLP norms into its linears (Megatron would skip them and recompute nothing)."""
+    modules = overrides.get("recompute_modules") or []
+    if use_transformer_engine and "layernorm" in modules and not overrides.get("recompute_norms"):
+        raise ValueError(
+            "recompute_modules ['layernorm']: the Transformer Engine spec fuses the input and pre-MLP norms into "
+            "its linears, so there is no norm output to recompute; recompute='selective' puts our norms in front "
+            "of TE's linears and frees their outputs"
         )
 
 
