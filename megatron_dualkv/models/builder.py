@@ -113,7 +113,7 @@ def build_model(
         ``unpadded_vocab_size`` the card's; the padded rows are no token, and the log-probs leave
         them out of every softmax.
     recompute: activation recompute, "none" (None), "selective" (the norm outputs, rotated q and
-        k and MLP activations of every layer, by the local and Gemma specs, no TE needed) or "full"
+        k and MLP activations of every layer, in either spec, TE not needed) or "full"
         (Megatron's full recompute); recompute_layers=N: the first N layers of every pipeline
         stage (model chunk) recomputed whole, by Megatron, with "selective" or "full"
         (``mcore.recompute.recompute_config_kwargs`` gives the config fields of each setting).
