@@ -37,6 +37,7 @@ def pytest_xdist_auto_num_workers(config):
 SLOW_MODULES = {
     "test_examples.py", "test_parallel.py", "test_export_hf_weights.py", "test_check_triton_compile.py",
     "test_dualkv_attn_sm90.py", "test_dualkv_attn_gpu.py", "test_recompute_gpu.py", "test_memory_gpu.py",
+    "test_transformer_engine_gpu.py",
 }
 SLOW_TESTS = {
     "test_kernels_match_reference", "test_tma_loads", "test_many_groups_with_p1_and_r1_and_split_key_tiles",
