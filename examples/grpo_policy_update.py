@@ -62,7 +62,9 @@ hide_expected_notices()  # before Megatron-Core is imported, which warns at impo
 
 import torch  # noqa: E402  (megatron_dualkv imports it anyway)
 from megatron_dualkv._resources import available_cards  # noqa: E402
-from megatron_dualkv.cli import ArgumentParser, add_layer_spec_flags, exit_with_error, spec_kwargs  # noqa: E402
+from megatron_dualkv.cli import (  # noqa: E402
+    ArgumentParser, add_layer_spec_flags, exit_with_error, memory_margin_problem, spec_kwargs,
+)
 from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, find_tokenizer, read_rollouts  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -158,11 +160,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for problem in _flag_problems(args):
         parser.error(problem)
     return args
-
-
-def memory_margin_problem(margin: Optional[float]) -> Optional[str]:
-    """What is wrong with a --memory-margin (this script's and the bench's), None when nothing."""
-    return None if margin is None or 0 <= margin < 1 else f"--memory-margin must be in [0, 1), got {margin}"
 
 
 def _flag_problems(args: argparse.Namespace) -> Iterable[str]:

@@ -58,3 +58,8 @@ def spec_kwargs(args: argparse.Namespace) -> dict:
     """``build_model``'s ``use_transformer_engine`` and ``fp8`` of the flags ``add_layer_spec_flags`` adds."""
     fp8: Optional[str] = None if args.fp8 == "off" else args.fp8
     return {"use_transformer_engine": TRANSFORMER_ENGINE[args.transformer_engine], "fp8": fp8}
+
+
+def memory_margin_problem(margin: Optional[float]) -> Optional[str]:
+    """What is wrong with a --memory-margin (the launch script's and the bench's), None when nothing."""
+    return None if margin is None or 0 <= margin < 1 else f"--memory-margin must be in [0, 1), got {margin}"

@@ -51,14 +51,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tools")]
-import grpo_policy_update as policy_update  # noqa: E402
-from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
-from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
-from megatron_dualkv.models import load_card  # noqa: E402
-from megatron_dualkv.cli import add_layer_spec_flags, spec_kwargs  # noqa: E402
-from megatron_dualkv.models.builder import uses_transformer_engine  # noqa: E402
-from megatron_dualkv.rl import ResponseTokens  # noqa: E402
-from megatron_dualkv.cli import ArgumentParser  # noqa: E402
+from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
+
+hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
+from megatron_dualkv.cli import ArgumentParser, add_layer_spec_flags, memory_margin_problem, spec_kwargs  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
 
 WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
@@ -75,6 +71,73 @@ TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)]}
 AGENT = (4096, 4, 4, 512, 512)
 TINY_AGENT = (48, 2, 3, 8, 8)
 CPU_BUDGET_GIB = 8.0  # the dry run's stand-in for the device's memory
+
+
+def model_workloads(args):
+    """--full-depth: card -> workloads; else name -> (card, layers) of the layer slices."""
+    if args.full_depth:
+        return TINY_FULL_DEPTH if args.tiny else FULL_DEPTH
+    if args.tiny:
+        return {"dense": ("qwen3-tiny", 2), "moe": ("qwen3-moe-tiny", 2)}
+    return {"dense": ("qwen3-8b", args.dense_layers), "moe": ("qwen3-30b-a3b", args.moe_layers)}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The flags, checked before the imports of Megatron-Core and the launch script (seconds)."""
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny cards and small groups (a dry run of the code paths)")
+    parser.add_argument("--full-depth", action="store_true",
+                        help="whole models (Qwen3-4B, Gemma-3-4B), each at the setting the tool finds best")
+    parser.add_argument("--agent", action="store_true",
+                        help="with --full-depth: issue #31's agent episodes, the packed tree against the replicated "
+                             "trajectories (module docstring)")
+    parser.add_argument("--dense-layers", type=int, default=4, help="Qwen3-8B-dimension layers")
+    parser.add_argument("--moe-layers", type=int, default=4, help="Qwen3-30B-A3B-dimension MoE layers")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
+    parser.add_argument("--replicated-repeats", type=int, default=None,
+                        help="timed steps of the replicated layout (default: --repeats; its steps take 5-10x longer)")
+    parser.add_argument("--models", default=None,
+                        help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: profile one packed step of each model at the first workload (kernel time table)")
+    parser.add_argument("--memory-margin", type=float, default=None,
+                        help="--full-depth: the share of GPU memory the settings leave free (as the launch script's flag)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench")
+    parser.add_argument("--update", type=Path, metavar="CSV",
+                        help="instead of writing into --out: replace the measured models' rows of this table")
+    add_layer_spec_flags(parser)  # the launch script's flags; the table's spec column
+    parser.add_argument("--workloads", default=None,
+                        help="comma list of the model's workloads to measure, as NxPxR (default: all of them)")
+    parser.add_argument("--layouts", default="packed,replicated",
+                        help="--full-depth: the layouts to measure (comma list; the speedup needs both)")
+    add_verbose_flag(parser)
+    args = parser.parse_args(argv)
+    args.layouts = comma_names(parser, "--layouts", args.layouts, ("packed", "replicated"))
+    args.model_names = comma_names(parser, "--models", args.models or ",".join(model_workloads(args)),
+                                   model_workloads(args))
+    if args.update is not None and not args.update.is_file():
+        parser.error(f"--update: {args.update} is not a file")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
+    if margin_problem := memory_margin_problem(args.memory_margin):
+        parser.error(margin_problem)
+    if args.agent and (not args.full_depth or args.profile):
+        parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
+    if len(args.model_names) == 1 and args.device == "cpu" and torch.cuda.is_available():
+        parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # bad flags are refused before the imports below, which take seconds
+
+import grpo_policy_update as policy_update  # noqa: E402
+from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
+from megatron_dualkv.models import load_card  # noqa: E402
+from megatron_dualkv.models.builder import uses_transformer_engine  # noqa: E402
+from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 
 
 @dataclass
@@ -549,53 +612,14 @@ def measure_alone(name: str, args) -> List[Result]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="tiny cards and small groups (a dry run of the code paths)")
-    parser.add_argument("--full-depth", action="store_true",
-                        help="whole models (Qwen3-4B, Gemma-3-4B), each at the setting the tool finds best")
-    parser.add_argument("--agent", action="store_true",
-                        help="with --full-depth: issue #31's agent episodes, the packed tree against the replicated "
-                             "trajectories (module docstring)")
-    parser.add_argument("--dense-layers", type=int, default=4, help="Qwen3-8B-dimension layers")
-    parser.add_argument("--moe-layers", type=int, default=4, help="Qwen3-30B-A3B-dimension MoE layers")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
-    parser.add_argument("--replicated-repeats", type=int, default=None,
-                        help="timed steps of the replicated layout (default: --repeats; its steps take 5-10x longer)")
-    parser.add_argument("--models", default=None,
-                        help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
-    parser.add_argument("--profile", action="store_true",
-                        help="instead: profile one packed step of each model at the first workload (kernel time table)")
-    parser.add_argument("--memory-margin", type=float, default=DEFAULT_MARGIN,
-                        help="--full-depth: the share of GPU memory the settings leave free (as the launch script's flag)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench")
-    parser.add_argument("--update", type=Path, metavar="CSV",
-                        help="instead of writing into --out: replace the measured models' rows of this table")
-    add_layer_spec_flags(parser)  # the launch script's flags; the table's spec column
-    parser.add_argument("--workloads", default=None,
-                        help="comma list of the model's workloads to measure, as NxPxR (default: all of them)")
-    parser.add_argument("--layouts", default="packed,replicated",
-                        help="--full-depth: the layouts to measure (comma list; the speedup needs both)")
-    add_verbose_flag(parser)  # the launch script, imported above, hid them
-    args = parser.parse_args(argv)
-    args.layouts = comma_names(parser, "--layouts", args.layouts, ("packed", "replicated"))
-    models = model_workloads(args)
-    model_names = comma_names(parser, "--models", args.models or ",".join(models), models)
-    if args.update is not None and not args.update.is_file():
-        parser.error(f"--update: {args.update} is not a file")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no GPU here; use --device cpu --tiny for a dry run")
-    if margin_problem := policy_update.memory_margin_problem(args.memory_margin):
-        parser.error(margin_problem)
-    if args.agent and (not args.full_depth or args.profile):
-        parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
+    args = parse_args(argv)
+    args.memory_margin = DEFAULT_MARGIN if args.memory_margin is None else args.memory_margin
+    models, model_names = model_workloads(args), args.model_names
     if len(model_names) > 1:
         results = [r for name in model_names for r in measure_alone(name, args)]
         if not args.profile:
             write_results(results, args)
         return
-    if args.device == "cpu" and torch.cuda.is_available():
-        parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
     # Megatron's mixed-precision optimizer needs CUDA: the CPU dry run is float32.
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     peak = (policy_update.measure_matmul_tflops() if args.device == "cuda"
@@ -624,15 +648,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     for result in results:
         result.spec = policy_update.spec_name(args)
     write_results(results, args)
-
-
-def model_workloads(args):
-    """--full-depth: card -> workloads; else name -> (card, layers) of the layer slices."""
-    if args.full_depth:
-        return TINY_FULL_DEPTH if args.tiny else FULL_DEPTH
-    if args.tiny:
-        return {"dense": ("qwen3-tiny", 2), "moe": ("qwen3-moe-tiny", 2)}
-    return {"dense": ("qwen3-8b", args.dense_layers), "moe": ("qwen3-30b-a3b", args.moe_layers)}
 
 
 def table_name(args) -> str:
