@@ -59,8 +59,10 @@ SLOW_ON_GPU_TESTS = {
 # .ci/run's second pass, which puts another Megatron-Core in front, leaves them out (a third of the
 # suite's time). tests/test_suite_markers.py checks that importing them imports no Megatron.
 WITHOUT_MEGATRON_MODULES = {
-    "test_ab_native.py", "test_check_triton_compile.py", "test_depth1_tables.py", "test_dualkv_attn.py",
-    "test_dualkv_attn_gpu.py", "test_dualkv_attn_sm90.py", "test_geglu.py", "test_layout.py", "test_packing.py",
+    "test_ab_native.py", "test_causal_conv1d.py", "test_check_triton_compile.py", "test_depth1_tables.py",
+    "test_dualkv_attn.py",
+    "test_dualkv_attn_gpu.py", "test_dualkv_attn_sm90.py", "test_gated_delta_rule.py", "test_geglu.py", "test_layout.py",
+    "test_packing.py",
     "test_reference.py", "test_rms_norm.py", "test_rms_norm_rope.py", "test_row_gather_sum.py", "test_tool_args.py",
     "test_trajectories.py",
 }

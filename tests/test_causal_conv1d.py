@@ -1,0 +1,77 @@
+"""The short causal convolution's reference on the packed layout (``ops.causal_conv1d``): a
+segment's window reaches back along its path, so every trajectory gives what it gives alone, and a
+shared tail's gradient is the sum over its children; the sum is the written-out one."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_dualkv.layout import DualKVLayout, TreeLayout
+from megatron_dualkv.ops.causal_conv1d import causal_conv1d_reference
+from strategies import layout_lengths, tree_lengths
+
+
+def _inputs(tokens, channels=3, width=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, channels, generator=gen, dtype=torch.float64)
+    weight = torch.randn(channels, width, generator=gen, dtype=torch.float64)
+    bias = torch.randn(channels, generator=gen, dtype=torch.float64)
+    return [t.requires_grad_() for t in (x, weight, bias)]
+
+
+def _check_trajectories_alone(layout, width, seed):
+    x, weight, bias = _inputs(layout.total_tokens, width=width, seed=seed)
+    out = causal_conv1d_reference(x, weight, layout, bias, "silu")
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
+    packed_loss, alone_loss = 0.0, 0.0
+    for node in layout.nodes:
+        index = [t for start, length in node.ancestors for t in range(start, start + length)]
+        offset = len(index)
+        index += range(node.start, node.start + node.length)
+        alone = causal_conv1d_reference(x[index], weight, DualKVLayout((len(index),), ((),)), bias, "silu")
+        own = slice(node.start, node.start + node.length)
+        torch.testing.assert_close(out[own], alone[offset:], rtol=1e-12, atol=1e-12)
+        if node.subtree_end == node.start + node.length:  # a leaf: its trajectory's loss
+            packed_loss = packed_loss + (weights[own] * out[own]).sum()
+            alone_loss = alone_loss + (weights[own] * alone[offset:]).sum()
+    for got, want in zip(torch.autograd.grad(packed_loss, (x, weight, bias)),
+                         torch.autograd.grad(alone_loss, (x, weight, bias))):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), width=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_groups_give_each_response_after_its_own_prompt(data, width, seed):
+    prompt_lens, response_lens = layout_lengths(data.draw, max_groups=3, max_prompt=7, max_responses=3, max_response=5)
+    _check_trajectories_alone(DualKVLayout(prompt_lens, response_lens, pad_len=data.draw(st.integers(0, 3))), width, seed)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), width=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_trees_give_each_trajectory_alone(data, width, seed):
+    _check_trajectories_alone(TreeLayout(*tree_lengths(data.draw, max_segments=8, max_len=5)), width, seed)
+
+
+def test_a_response_sees_the_end_of_its_prompt():
+    """Written out: the first token of a response reads the last K-1 tokens of its prompt."""
+    layout = DualKVLayout((5,), ((2, 2),))
+    x, weight, bias = (t.detach() for t in _inputs(layout.total_tokens, width=3))
+    out = causal_conv1d_reference(x, weight, layout, bias)
+    for response_start in (5, 7):  # both responses follow the prompt's tokens 3 and 4
+        window = torch.stack([x[3], x[4], x[response_start]])
+        torch.testing.assert_close(out[response_start], bias + (weight * window.T).sum(1))
+    torch.testing.assert_close(out[0], bias + weight[:, 2] * x[0])  # zeros before the root
+
+
+@pytest.mark.parametrize("args, match", [
+    (lambda x, w, b: (x[:-1], w), r"x must be \(tokens, channels\) with the layout's 9 tokens"),
+    (lambda x, w, b: (x, w[:2]), r"weight must be \(channels, width\) = \(3, K\), got \(2, 4\)"),
+    (lambda x, w, b: (x, w, b[:2]), r"bias must be \(channels,\) = \(3,\), got \(2,\)"),
+    (lambda x, w, b: (x, w, b, "gelu"), r"activation must be one of \['silu'\] or None, got 'gelu'"),
+])
+def test_bad_inputs_name_what_is_wrong(args, match):
+    layout = DualKVLayout((5,), ((2, 2),))
+    x, weight, bias = (t.detach() for t in _inputs(layout.total_tokens))
+    a = args(x, weight, bias)
+    with pytest.raises(ValueError, match=match):
+        causal_conv1d_reference(a[0], a[1], layout, *a[2:])

@@ -1,0 +1,118 @@
+"""The gated delta rule's reference on the packed layout (``ops.gated_delta_rule``): each segment
+continues from its parent's final state, so every trajectory gives what it gives alone, and a
+shared prefix's gradient is the sum over the trajectories that read it; the update is the
+published equation written as a matrix product."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_dualkv.layout import DualKVLayout, TreeLayout
+from megatron_dualkv.ops.gated_delta_rule import gated_delta_rule_reference
+from strategies import layout_lengths, tree_lengths
+
+
+def _inputs(tokens, heads=2, dk=3, dv=4, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dk, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(tokens, heads, dk, generator=gen, dtype=dtype), dim=-1)  # as the models' L2 norm
+    v = torch.randn(tokens, heads, dv, generator=gen, dtype=dtype)
+    g = -F.softplus(torch.randn(tokens, heads, generator=gen, dtype=dtype))
+    beta = torch.sigmoid(torch.randn(tokens, heads, generator=gen, dtype=dtype))
+    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+
+def _path(layout, i):
+    """The packed indices of the trajectory from the root to segment i, and where segment i starts in it."""
+    node = layout.nodes[i]
+    index = [t for start, length in node.ancestors for t in range(start, start + length)]
+    return index + list(range(node.start, node.start + node.length)), len(index)
+
+
+def _leaves(layout):
+    return [i for i, n in enumerate(layout.nodes) if n.subtree_end == n.start + n.length]
+
+
+def _check_trajectories_alone(layout, seed):
+    inputs = _inputs(layout.total_tokens, seed=seed)
+    out, finals = gated_delta_rule_reference(*inputs, layout)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=out.dtype)
+    packed_loss, alone_loss = 0.0, 0.0
+    for i, node in enumerate(layout.nodes):
+        index, offset = _path(layout, i)
+        alone, alone_final = gated_delta_rule_reference(*(t[index] for t in inputs), DualKVLayout((len(index),), ((),)))
+        own = slice(node.start, node.start + node.length)
+        torch.testing.assert_close(out[own], alone[offset:], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(finals[i], alone_final[0], rtol=1e-12, atol=1e-12)
+        if i in _leaves(layout):
+            packed_loss = packed_loss + (weights[own] * out[own]).sum()
+            alone_loss = alone_loss + (weights[own] * alone[offset:]).sum()
+    # each leaf's loss reads its ancestors' tokens once per trajectory: their gradients add up
+    for got, want in zip(torch.autograd.grad(packed_loss, inputs), torch.autograd.grad(alone_loss, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_groups_give_each_response_after_its_own_prompt(data, seed):
+    prompt_lens, response_lens = layout_lengths(data.draw, max_groups=3, max_prompt=7, max_responses=3, max_response=5)
+    pad = data.draw(st.integers(0, 3))
+    _check_trajectories_alone(DualKVLayout(prompt_lens, response_lens, pad_len=pad), seed)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_trees_give_each_trajectory_alone(data, seed):
+    _check_trajectories_alone(TreeLayout(*tree_lengths(data.draw, max_segments=8, max_len=5)), seed)
+
+
+def test_the_update_is_the_published_equation():
+    """h_t = alpha_t (I - beta_t k_t k_t^T) h_{t-1} + beta_t k_t v_t^T, o_t = h_t^T q_t scale, as
+    matrices, from an initial state; one head, a segment of three tokens."""
+    q, k, v, g, beta = (t.detach() for t in _inputs(3, heads=1, dk=2, dv=3, seed=5))
+    h = torch.randn(1, 2, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    out, final = gated_delta_rule_reference(q, k, v, g, beta, DualKVLayout((3,), ((),)), scale=0.5, initial_state=h)
+    state, eye = h[0], torch.eye(2, dtype=torch.float64)
+    for t in range(3):
+        kt, alpha, b = k[t, 0][:, None], torch.exp(g[t, 0]), beta[t, 0]
+        state = alpha * (eye - b * kt @ kt.T) @ state + b * kt @ v[t, 0][None, :]
+        torch.testing.assert_close(out[t, 0], state.T @ (0.5 * q[t, 0]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final[0, 0], state, rtol=1e-12, atol=1e-12)
+
+
+def test_roots_start_from_the_initial_state_and_children_from_their_parent():
+    layout = DualKVLayout((2, 3), ((1, 2), ()))
+    inputs = [t.detach() for t in _inputs(layout.total_tokens, seed=7)]
+    h0 = torch.randn(2, 3, 4, dtype=torch.float64)
+    out, finals = gated_delta_rule_reference(*inputs, layout, initial_state=h0)
+    second_root = slice(5, 8)  # the second group's prompt, after the first's (2 tokens) and its responses (1, 2)
+    alone, _ = gated_delta_rule_reference(*(t[second_root] for t in inputs), DualKVLayout((3,), ((),)), initial_state=h0)
+    torch.testing.assert_close(out[second_root], alone)
+    zero, _ = gated_delta_rule_reference(*(t[second_root] for t in inputs), DualKVLayout((3,), ((),)))
+    assert not torch.allclose(alone, zero)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda i, layout: (i[0][:-1], *i[1:]), "q has 9 tokens, the layout 10"),
+    (lambda i, layout: (i[0], i[1][:, :1], *i[2:]), "k has 1 heads, q 2"),
+    (lambda i, layout: (*i[:3], i[3].float(), i[4]), "g is torch.float32 on cpu, q torch.float64 on cpu"),
+    (lambda i, layout: (*i[:4], i[4][:, :, None]), r"beta must be a 2-d \(tokens, heads\) tensor"),
+    (lambda i, layout: (i[0], i[1][:, :, :2], *i[2:]), r"k's shape \(10, 2, 2\) differs from q's \(10, 2, 3\)"),
+])
+def test_bad_inputs_name_what_is_wrong(change, match):
+    layout = DualKVLayout((4,), ((3, 3),))
+    inputs = [t.detach() for t in _inputs(layout.total_tokens)]
+    with pytest.raises(ValueError, match=match):
+        gated_delta_rule_reference(*change(inputs, layout), layout)
+
+
+def test_a_bad_initial_state_or_scale_is_refused():
+    layout = DualKVLayout((4,), ((3,),))
+    inputs = [t.detach() for t in _inputs(layout.total_tokens)]
+    with pytest.raises(ValueError, match=r"initial_state must be \(heads, Dk, Dv\) = \(2, 3, 4\), got \(2, 4, 3\)"):
+        gated_delta_rule_reference(*inputs, layout, initial_state=torch.zeros(2, 4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="scale must be positive"):
+        gated_delta_rule_reference(*inputs, layout, scale=0.0)
+    with pytest.raises(TypeError, match="layout must be a DualKVLayout or a TreeLayout"):
+        gated_delta_rule_reference(*inputs, None)
