@@ -63,7 +63,7 @@ hide_expected_notices()  # before Megatron-Core is imported, which warns at impo
 import torch  # noqa: E402  (megatron_dualkv imports it anyway)
 from megatron_dualkv._resources import available_cards  # noqa: E402
 from megatron_dualkv.cli import (  # noqa: E402
-    ArgumentParser, add_layer_spec_flags, exit_with_error, memory_margin_problem, spec_kwargs,
+    ArgumentParser, add_layer_spec_flags, exit_with_error, layer_spec, memory_margin_problem, spec_kwargs, spec_label,
 )
 from megatron_dualkv.rollout_io import RolloutFileError, Rollouts, find_tokenizer, read_rollouts  # noqa: E402
 
@@ -239,13 +239,13 @@ from megatron_dualkv import (  # noqa: E402
     CostModel, PlannedMicroBatch, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups,
 )
 from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
-from megatron_dualkv.mcore.parallel import FP8_TOKEN_MULTIPLE, current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
+from megatron_dualkv.mcore.parallel import current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import (  # noqa: E402
     ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
     weights_only,
 )
-from megatron_dualkv.models.builder import param_dtype, uses_transformer_engine  # noqa: E402
+from megatron_dualkv.models.builder import param_dtype  # noqa: E402
 from megatron_dualkv.rl import (  # noqa: E402
     DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
     ppo_updates,
@@ -352,7 +352,7 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
                                   ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
                                   fp8=args.fp8 != "off")
     whole, longest, responses = packed_sizes(groups)
-    replicated, multiple = args.layout == "replicated", _token_multiple(args, sizes)
+    replicated, multiple = args.layout == "replicated", micro_batch_token_multiple(sizes, args.fp8 != "off")
     if replicated:
         attention_weight = CostModel.from_config(memory.config, memory.vocab_size).attention_weight
         micro_batch = replicated_micro_batch(args, groups, dp, attention_weight, multiple)
@@ -432,10 +432,6 @@ def replicated_size(mb: PlannedMicroBatch, multiple: int) -> Tuple[int, int]:
     return len(lengths) * (-(-max(lengths) // multiple) * multiple), int(rows)
 
 
-def _token_multiple(args: argparse.Namespace, sizes: ParallelSizes) -> int:
-    return sizes.token_multiple * (FP8_TOKEN_MULTIPLE if args.fp8 != "off" else 1)
-
-
 def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
     """(packed tokens of the largest group, of the longest prompt with a response or trajectory,
     share of the packed tokens that a trained token is predicted from) of the file's groups."""
@@ -465,7 +461,7 @@ def build_policy(args: argparse.Namespace) -> Policy:
         raise InputError(f"{args.model} is {config.params_dtype}: Megatron's mixed-precision optimizer needs CUDA; pass --dtype float32")
     vocab_size = model.unpadded_vocab_size  # what token ids are checked against
     cost = CostModel.from_config(config, model.vocab_size)  # the output layer computes its padded rows too
-    token_multiple = micro_batch_token_multiple(config)
+    token_multiple = micro_batch_token_multiple(current_parallel_sizes(config), config.fp8)
     # No Float16Module around a bf16 model: it would upcast the last stage's output (the final
     # hidden states, [tokens, hidden]) to fp32, which the log-prob code casts back to bf16.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
@@ -512,16 +508,14 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
 def _transformer_engine(args: argparse.Namespace) -> bool:
     """Whether the run builds the Transformer Engine spec (--transformer-engine, checked)."""
     try:
-        return uses_transformer_engine(spec_kwargs(args)["use_transformer_engine"])
+        return layer_spec(args)[0]
     except (ImportError, ValueError) as err:
         raise InputError(f"--transformer-engine {args.transformer_engine}: {err}") from None
 
 
 def spec_name(args: argparse.Namespace) -> str:
     """The layer spec the run builds, as its first line names it."""
-    if not _transformer_engine(args):
-        return "local"
-    return "transformer-engine" + ("" if args.fp8 == "off" else f" fp8 {args.fp8}")
+    return spec_label(_transformer_engine(args), spec_kwargs(args)["fp8"])
 
 
 def _build_or_load_model(args: argparse.Namespace):

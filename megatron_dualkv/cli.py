@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import time
-from typing import NoReturn, Optional
+from typing import NoReturn, Optional, Tuple
 
 USAGE_ERROR = 2  # argparse's exit status for a usage error
 RANK0_GRACE_S = 1.0
@@ -58,6 +58,21 @@ def spec_kwargs(args: argparse.Namespace) -> dict:
     """``build_model``'s ``use_transformer_engine`` and ``fp8`` of the flags ``add_layer_spec_flags`` adds."""
     fp8: Optional[str] = None if args.fp8 == "off" else args.fp8
     return {"use_transformer_engine": TRANSFORMER_ENGINE[args.transformer_engine], "fp8": fp8}
+
+
+def layer_spec(args: argparse.Namespace) -> Tuple[bool, Optional[str]]:
+    """(whether the run builds the Transformer Engine spec, its FP8 format or None), from the flags of
+    ``add_layer_spec_flags``, resolved as ``build_model`` resolves them: ImportError or ValueError
+    where --transformer-engine on cannot run here."""
+    from .models.builder import uses_transformer_engine  # Megatron-Core: imported once the flags are checked
+
+    kwargs = spec_kwargs(args)
+    return uses_transformer_engine(kwargs["use_transformer_engine"]), kwargs["fp8"]
+
+
+def spec_label(transformer_engine: bool, fp8: Optional[str]) -> str:
+    """The layer spec as the launch script's first line and the benchmarks' tables name it."""
+    return "transformer-engine" + (f" fp8 {fp8}" if fp8 else "") if transformer_engine else "local"
 
 
 def memory_margin_problem(margin: Optional[float]) -> Optional[str]:

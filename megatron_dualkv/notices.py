@@ -6,8 +6,9 @@ Apex are not installed (both are optional here: docs/embedding.md says what runs
 that its ``GPTModel`` is deprecated (0.19), that ``MimoModelConfig`` is experimental, and (0.16) that
 a layer spec's MLP is of a type it does not know (our MLP subclasses, which take its defaults); torch
 warns that collectives and checkpoint functions that Megatron-Core calls are deprecated; and on a
-CPU, Megatron-Core's advice for sequence parallelism on a GPU. Any other warning still shows. Call ``hide_expected_notices()`` before Megatron-Core is imported: most of
-these are raised at import.
+CPU, Megatron-Core's advice for sequence parallelism on a GPU. Any other warning still shows.
+Call ``hide_expected_notices()`` before Megatron-Core is imported: most of these are raised at
+import.
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tools")]
 from megatron_dualkv.notices import hide_expected_notices  # noqa: E402
 
 hide_expected_notices()  # before Megatron-Core is imported, which warns at import (--verbose keeps them)
-from megatron_dualkv.cli import ArgumentParser, add_layer_spec_flags, memory_margin_problem, spec_kwargs  # noqa: E402
+from megatron_dualkv.cli import ArgumentParser, add_layer_spec_flags, layer_spec, memory_margin_problem  # noqa: E402
 from tool_args import add_verbose_flag, comma_names  # noqa: E402
 
 WORKLOADS = [(16, 8192, 1024), (32, 8192, 512)]
@@ -114,8 +114,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     args.layouts = comma_names(parser, "--layouts", args.layouts, ("packed", "replicated"))
-    args.model_names = comma_names(parser, "--models", args.models or ",".join(model_workloads(args)),
-                                   model_workloads(args))
+    workloads = model_workloads(args)
+    args.model_names = comma_names(parser, "--models", args.models or ",".join(workloads), workloads)
     if args.update is not None and not args.update.is_file():
         parser.error(f"--update: {args.update} is not a file")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -136,7 +136,6 @@ import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
-from megatron_dualkv.models.builder import uses_transformer_engine  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 
 
@@ -395,7 +394,7 @@ class PolicyCache:
 def planning_models(card: str, args):
     """(memory model, cost model, memory budget) of a full-depth card on this device."""
     memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype],
-                                  transformer_engine=uses_transformer_engine(spec_kwargs(args)["use_transformer_engine"]),
+                                  transformer_engine=layer_spec(args)[0],
                                   fp8=args.fp8 != "off")
     budget = device_budget(margin=args.memory_margin) if args.device == "cuda" else CPU_BUDGET_GIB * GIB
     return memory, CostModel.from_config(memory.config, memory.vocab_size), budget

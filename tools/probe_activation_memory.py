@@ -28,9 +28,8 @@ from tool_args import add_verbose_flag  # noqa: E402
 from megatron_dualkv import RolloutGroup, pack_groups  # noqa: E402
 from megatron_dualkv.memory import layer_activation_bytes  # noqa: E402
 from megatron_dualkv.mcore.parallel import current_parallel_sizes  # noqa: E402
-from megatron_dualkv.cli import add_layer_spec_flags, spec_kwargs  # noqa: E402
+from megatron_dualkv.cli import add_layer_spec_flags, layer_spec, spec_label  # noqa: E402
 from megatron_dualkv.models import build_model  # noqa: E402
-from megatron_dualkv.models.builder import uses_transformer_engine  # noqa: E402
 from megatron_dualkv.rl.logprobs import model_output  # noqa: E402
 
 MODES = ("none", "selective", "full")
@@ -75,8 +74,7 @@ def main() -> None:
     add_verbose_flag(parser)
     args = parser.parse_args()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    fp8 = spec_kwargs(args)["fp8"]
-    te = uses_transformer_engine(spec_kwargs(args)["use_transformer_engine"])
+    te, fp8 = layer_spec(args)
     rows = []
     for card in args.cards.split(","):
         for mode in args.modes.split(","):
@@ -87,9 +85,8 @@ def main() -> None:
                                                fp8 is not None)
             rows.append(dict(card=card, mode=mode, measured=measured, predicted=predicted,
                              deviation=100 * (predicted - measured) / measured))
-    spec = ("Transformer Engine" + (f", fp8 {fp8}" if fp8 else "")) if te else "local"
     print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {args.tokens} tokens, {dtype}, "
-          f"{spec} spec")
+          f"spec {spec_label(te, fp8)}")
     os.makedirs(args.out, exist_ok=True)
     write_table(rows, os.path.join(args.out, "activation_memory.csv"), [
         ("card", "card", "12"), ("mode", "mode", "10"), ("measured", "B/token/layer", "13.0f"),

@@ -56,7 +56,7 @@ from .attention import DualKVAttention
 from .config import DualKVTransformerConfig
 from .glu import plain_gated_linear_unit
 from .gpt_model import DualKVGPTModel
-from .layer_specs import require_transformer_engine
+from .layer_specs import LOCAL_SHARDED_KEYS, require_transformer_engine
 from .mlp import DualKVMLP
 from .recompute import DualKVTransformerLayer, RecomputableOutput
 from .self_attention import DualKVSelfAttention
@@ -296,8 +296,8 @@ def gemma_block_spec(
         if not getattr(config, "recompute_norms", False):
             input_norm = pre_mlp_norm = IdentityOp
             column = fused
-            keys_map = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
-                        "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+            # Gemma's local layers store their norms under their own names: the fused ones go back to them
+            keys_map = {fused_name: name for name, fused_name in LOCAL_SHARDED_KEYS.items()}
     layer = ModuleSpec(
         module=GemmaTransformerLayer if config.layer_scalar else DualKVTransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -19,8 +19,8 @@ where it can) and, with ``recompute_activations``, ``DualKVMLP``.
   cannot do what a layer needs, ours stay (``te_layer``): the q/k norms are ours, because the
   fused q/k norm + RoPE kernel reads their weights; with ``recompute_norms`` the input and pre-MLP
   norms are ours in front of TE's plain linears, because a fused norm's output lives inside TE's
-  linear and cannot be freed; the dense MLP's activation is ``DualKVMLP``'s; the experts'
-  activation is recomputed by Megatron's ``recompute_modules=["moe_act"]``.
+  linear and cannot be freed; the dense MLP's activation is ``DualKVMLP``'s; TE's experts
+  recompute their activation with Megatron's own ``moe_act`` mechanism (``mcore.recompute``).
 
 Both specs store a checkpoint under the same keys: the TE layers carry the local layers'
 ``sharded_state_dict_keys_map`` (Megatron's: the input and pre-MLP norms under the names of

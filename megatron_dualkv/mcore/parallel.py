@@ -304,11 +304,11 @@ def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: in
 FP8_TOKEN_MULTIPLE = 16
 
 
-def micro_batch_token_multiple(config) -> int:
-    """What the packed token count of every micro-batch of the model of ``config`` must be a
-    multiple of: ``ParallelSizes.token_multiple``, times 16 where the linears run in FP8 (every rank's
-    slice of the tokens is a multiple of 16 rows)."""
-    return current_parallel_sizes(config).token_multiple * (FP8_TOKEN_MULTIPLE if getattr(config, "fp8", None) else 1)
+def micro_batch_token_multiple(sizes: ParallelSizes, fp8) -> int:
+    """What the packed token count of every micro-batch must be a multiple of:
+    ``sizes.token_multiple``, times 16 where the linears run in FP8 (``fp8``: a format or None/False;
+    every rank's slice of the tokens is then a multiple of 16 rows)."""
+    return sizes.token_multiple * (FP8_TOKEN_MULTIPLE if fp8 else 1)
 
 
 def current_parallel_sizes(config=None) -> ParallelSizes:

@@ -248,7 +248,8 @@ class DualKVTransformerLayer(TransformerLayer):
     def _recompute_activation(self) -> None:
         # MoE layers: the routed experts' activation; the router and shared experts are left alone
         module = self.mlp.experts if isinstance(self.mlp, MoELayer) else self.mlp
-        if isinstance(self.mlp, MoELayer) and _recomputes_with_megatrons_moe_act(module):
+        if isinstance(self.mlp, MoELayer) and _is_te_grouped_experts(module):
+            _turn_on_moe_act_recompute(module)
             return
         if not isinstance(module, RecomputableActivation):
             raise ValueError(
@@ -259,18 +260,21 @@ class DualKVTransformerLayer(TransformerLayer):
         module.recompute_activation = True
 
 
-def _recomputes_with_megatrons_moe_act(experts) -> bool:
-    """Turn on Megatron's own ``moe_act`` recompute in Transformer Engine's grouped experts
-    (``TEGroupedMLP``), as their constructor does under ``recompute_modules=["moe_act"]``, which it
-    takes only with selective granularity (not with ``recompute_layers``); False for other experts."""
-    if isinstance(experts, RecomputableActivation) or not hasattr(experts, "activation_recompute"):
-        return False
+def _is_te_grouped_experts(experts) -> bool:
+    """Transformer Engine's grouped experts (``TEGroupedMLP``): Megatron's experts that carry its own
+    ``moe_act`` recompute switch."""
+    return not isinstance(experts, RecomputableActivation) and hasattr(experts, "activation_recompute")
+
+
+def _turn_on_moe_act_recompute(experts) -> None:
+    """Megatron's own ``moe_act`` recompute in ``experts``, as their constructor turns it on under
+    ``recompute_modules=["moe_act"]``, which it takes only with selective granularity (not beside
+    ``recompute_layers``)."""
     experts.activation_recompute = True
     if experts.config.fp8 or getattr(experts.config, "fp4", None):
         from megatron.core.extensions.transformer_engine import set_save_original_input
 
         set_save_original_input(experts.linear_fc2)  # fc2 keeps the recomputed input, not an FP8 copy
-    return True
 
 
 def _discard_norm_output(norm: RecomputableOutput, consumer, args, output) -> None:

@@ -200,9 +200,9 @@ def load_megatron_state_dict(model: torch.nn.Module, state_dict: Dict[str, Tenso
     The embedding and output layer of the real vocabulary (what ``hf_to_megatron`` makes) get
     zero rows up to the model's padded vocabulary (Megatron's checkpoint loader pads the same way).
     """
-    own_names = {local_spec_name(name): name for name in model.state_dict(keep_vars=True)}
-    state_dict = {own_names.get(name, name): tensor for name, tensor in state_dict.items()}
     own = model.state_dict(keep_vars=True)
+    own_names = {local_spec_name(name): name for name in own}
+    state_dict = {own_names.get(name, name): tensor for name, tensor in state_dict.items()}
     state_dict = {
         name: _padded_rows(tensor, own[name]) if name in VOCAB_TENSORS and name in own else tensor
         for name, tensor in state_dict.items()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..layout import PackedLayout
+from .checks import check_layout
 
 ACTIVATIONS = {None: lambda x: x, "silu": F.silu}
 
@@ -50,8 +51,7 @@ def _path_tail(node, count: int) -> list:
 
 
 def _check_inputs(x, weight, layout, bias, activation) -> None:
-    if not isinstance(layout, PackedLayout):
-        raise TypeError(f"layout must be a DualKVLayout or a TreeLayout, got {type(layout).__name__}")
+    check_layout(layout)
     if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[0] != layout.total_tokens:
         raise ValueError(f"x must be (tokens, channels) with the layout's {layout.total_tokens} tokens, "
                          f"got shape {getattr(x, 'shape', None)}")

@@ -9,10 +9,15 @@ import torch
 from ..layout import PackedLayout
 
 
-def check_attention_inputs(q, k, v, layout, softmax_scale=None, window_size=None, softcap=None) -> float:
-    """Validate q (T, Hq, D), k/v (T, Hkv, D) against ``layout``; return the softmax scale to use."""
+def check_layout(layout) -> None:
+    """TypeError unless ``layout`` is a packed layout (what every op on the packed tokens reads)."""
     if not isinstance(layout, PackedLayout):
         raise TypeError(f"layout must be a DualKVLayout or a TreeLayout, got {type(layout).__name__}")
+
+
+def check_attention_inputs(q, k, v, layout, softmax_scale=None, window_size=None, softcap=None) -> float:
+    """Validate q (T, Hq, D), k/v (T, Hkv, D) against ``layout``; return the softmax scale to use."""
+    check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a (tokens, heads, head_dim) tensor, got shape {getattr(t, 'shape', None)}")

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..layout import PackedLayout
+from .checks import check_layout
 
 
 def gated_delta_rule_reference(
@@ -67,8 +68,7 @@ def gated_delta_rule_reference(
 
 def _check_inputs(q, k, v, g, beta, layout, scale, initial_state) -> float:
     """ValueError naming the input that does not fit; the scale to use."""
-    if not isinstance(layout, PackedLayout):
-        raise TypeError(f"layout must be a DualKVLayout or a TreeLayout, got {type(layout).__name__}")
+    check_layout(layout)
     tokens = layout.total_tokens
     for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
         if not isinstance(t, Tensor) or t.dim() != dims:

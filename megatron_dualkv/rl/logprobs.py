@@ -193,7 +193,8 @@ def _check_batch(model, batch, layout: str) -> None:
                          f"(megatron_dualkv.pack_trajectories), got {type(batch).__name__}")
     _check_vocabulary(batch, get_attr_wrapped_model(model, "unpadded_vocab_size"))
     config = get_attr_wrapped_model(model, "config")
-    sizes, multiple = current_parallel_sizes(config), micro_batch_token_multiple(config)
+    sizes = current_parallel_sizes(config)
+    multiple = micro_batch_token_multiple(sizes, config.fp8)
     if layout == "replicated" and sizes.cp > 1:
         raise NotImplementedError(
             "the replicated layout runs Megatron's DotProductAttention, which has no context parallelism; "
@@ -276,7 +277,8 @@ def _replicated_output(model, batch) -> Tensor:
     (s a multiple of the sequence-parallel split)."""
     device = _model_device(model)
     sequences = _replicated_sequences(batch, ResponseTokens.of(batch))
-    multiple = micro_batch_token_multiple(get_attr_wrapped_model(model, "config"))
+    config = get_attr_wrapped_model(model, "config")
+    multiple = micro_batch_token_multiple(current_parallel_sizes(config), config.fp8)
     longest = -(-max(len(seq) for seq in sequences) // multiple) * multiple
     input_ids = torch.zeros(len(sequences), longest, dtype=torch.long)
     padding = torch.ones(len(sequences), longest, dtype=torch.bool)
