@@ -15,7 +15,8 @@ Activations are counted tensor by tensor as our layer specs save them for the ba
 the micro-batch (``layer_tensors``): every saved tensor is a number of elements per token that is a sum
 of model dimensions, a dtype, and how tensor and sequence parallelism split it. Recompute drops some of
 them: "selective" the norm outputs and MLP activations that the next linear saves and the rotated q
-and k with what the q/k norms and RoPE keep (all recomputed from tensors that stay), a fully
+and k with what the q/k norms and RoPE keep (all recomputed from tensors that stay; under FP8 the
+q and k only, ``recompute_config_kwargs``), a fully
 recomputed layer everything but its input. The counts were read off the code and measured on the
 H200 (PERF_NOTES.md, session 19: one layer within 3.5%, ten whole steps' peaks within -0.2% to +7.2%);
 a change to a spec that saves other tensors must change them too (``tests/test_memory_gpu.py``).
@@ -23,9 +24,10 @@ a change to a spec that saves other tensors must change them too (``tests/test_m
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .mcore.parallel import ParallelSizes, padded_vocab_size
 from .mcore.recompute import recompute_config_kwargs
@@ -133,19 +135,21 @@ class SavedTensor:
     ``split``: "seq" (split by tp under sequence parallelism), "tp" (heads or ffn columns, split by
     tp), "none", "routed" (the top-k copies of a token that its experts' ranks hold whole),
     "routed_ffn" (their expert ffn columns, split by the expert tensor-parallel size); ``freed_by``:
-    the recompute that drops it ("selective": a norm output or an MLP activation)."""
+    the selective recompute field that drops it (``SELECTIVE_RECOMPUTE_FIELDS``: a norm output, the
+    normed and rotated q and k, an MLP activation)."""
 
     name: str
     elements: int
     bytes_per_element: int = 2
     split: str = "tp"
     freed_by: Optional[str] = None
-    fp8_linear_input: bool = False
-    """Kept only for a linear's backward: under FP8 that linear (Transformer Engine's) keeps a 1-byte
-    copy instead, whatever the recompute."""
+    kept_in_fp8: bool = False
+    """Under FP8 a 1-byte copy is kept instead, whatever the recompute: by the Transformer Engine
+    linear that reads it (which keeps it for nothing else), or by Megatron's fused SwiGLU (its input,
+    ``activation_func_fp8_input_store``)."""
 
     def under_fp8(self) -> "SavedTensor":
-        if not self.fp8_linear_input:
+        if not self.kept_in_fp8:
             return self
         return replace(self, name=self.name + " (its FP8 copy)", bytes_per_element=1, freed_by=None)
 
@@ -174,16 +178,16 @@ def _layer_tensors(config, layer_number: int, layout: str, transformer_engine: b
     values = 0 if _keys_are_values(config, layer_number) else groups
     tensors = [
         SavedTensor("input norm: its input (the residual stream)", h, b, "seq"),
-        SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "selective", fp8_linear_input=True),
+        SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "recompute_norms", kept_in_fp8=True),
         # Megatron's query reshape copies q out of linear_qkv's output; k and v stay views of it,
         # so the k norm's saved input keeps the whole output alive. "selective" recomputes q and k
         # (reshape, norm, RoPE) from their views of that output, which v keeps alive anyway.
-        SavedTensor("q norm: its input, a copy of q", heads * d, b, "tp", "selective"),
+        SavedTensor("q norm: its input, a copy of q", heads * d, b, "tp", "recompute_qk_norm_rope"),
         SavedTensor("k norm: its input, a view of linear_qkv's output (q, k, v)", (heads + groups + values) * d, b),
-        SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none", "selective"),
-        SavedTensor("attention: q and k after RoPE", (heads + groups) * d, b, "tp", "selective"),
+        SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none", "recompute_qk_norm_rope"),
+        SavedTensor("attention: q and k after RoPE", (heads + groups) * d, b, "tp", "recompute_qk_norm_rope"),
         SavedTensor("attention: its output, linear_proj's input", heads * d, b),
-        SavedTensor("q and k norm statistics (fp32)", heads + groups, 4, "tp", "selective"),
+        SavedTensor("q and k norm statistics (fp32)", heads + groups, 4, "tp", "recompute_qk_norm_rope"),
         SavedTensor("input and pre-MLP norm statistics, the attention's log-sum-exp (fp32)", heads + 2, 4),
     ]
     if layout == "replicated":
@@ -194,36 +198,48 @@ def _layer_tensors(config, layer_number: int, layout: str, transformer_engine: b
         tensors.append(SavedTensor("post-attention and post-feedforward norms: their inputs", 2 * h, b, "seq"))
     tensors += [
         SavedTensor("pre-MLP norm: its input", h, b, "seq"),
-        SavedTensor("pre-MLP norm: its output, the MLP's (router's) input", h, b, "seq", "selective"),
+        SavedTensor("pre-MLP norm: its output, the MLP's (router's) input", h, b, "seq", "recompute_norms"),
     ]
     gated = 2 if config.gated_linear_unit else 1
     if moe_layer_flags(config)[layer_number - 1]:
         k, f, experts = config.moe_router_topk, config.moe_ffn_hidden_size, config.num_moe_experts
         tensors += [
             SavedTensor("router: scores, top-k and the load-balancing statistics (fp32)", experts + 10 * k, 4, "seq"),
-            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "routed", fp8_linear_input=True),
+            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "routed", kept_in_fp8=True),
             SavedTensor("experts' fc1 output, the activation's input", k * gated * f, b, "routed_ffn"),
         ]
         if transformer_engine:  # Megatron's weighted SwiGLU keeps its input; fc2 keeps its output
-            tensors.append(SavedTensor("experts' activation, fc2's input", k * f, b, "routed_ffn", "selective",
-                                       fp8_linear_input=True))
+            tensors.append(SavedTensor("experts' activation, fc2's input", k * f, b, "routed_ffn", "recompute_activations",
+                                       kept_in_fp8=True))
         else:
             tensors.append(SavedTensor("experts' SwiGLU: silu(gate), its product, the weighted activation", 3 * k * f, b,
-                                       "routed_ffn", "selective"))
+                                       "routed_ffn", "recompute_activations"))
     else:
         f = config.ffn_hidden_size
-        tensors[-1] = replace(tensors[-1], fp8_linear_input=True)  # the pre-MLP norm's output: fc1's input
+        tensors[-1] = replace(tensors[-1], kept_in_fp8=True)  # the pre-MLP norm's output: fc1's input
         tensors += [
-            SavedTensor("fc1 output, the activation's input", gated * f, b),
-            SavedTensor("activation output, fc2's input", f, b, "tp", "selective", fp8_linear_input=True),
+            SavedTensor("fc1 output, the activation's input", gated * f, b, kept_in_fp8=_fused_swiglu(config)),
+            SavedTensor("activation output, fc2's input", f, b, "tp", "recompute_activations", kept_in_fp8=True),
         ]
     return tensors
 
 
-def _per_token_bytes(tensors: Sequence[SavedTensor], sizes: ParallelSizes, drop: Optional[str]) -> float:
+def _fused_swiglu(config) -> bool:
+    """Whether a dense MLP's activation is Megatron's fused SwiGLU, as ``build_model`` sets it up on a
+    GPU (``bias_activation_fusion``), which keeps its input in FP8 under FP8."""
+    return bool(config.gated_linear_unit and config.activation_func is F.silu)
+
+
+def _per_token_bytes(tensors: Sequence[SavedTensor], sizes: ParallelSizes, freed: Collection[str]) -> float:
     splits = {"seq": sizes.tp if sizes.sp else 1, "tp": sizes.tp, "none": 1, "routed": 1, "routed_ffn": sizes.etp}
-    return sum(t.elements * t.bytes_per_element / splits[t.split] for t in tensors
-               if drop is None or t.freed_by != drop) / sizes.cp
+    return sum(t.elements * t.bytes_per_element / splits[t.split] for t in tensors if t.freed_by not in freed) / sizes.cp
+
+
+def selectively_freed(mode: str, fp8: bool) -> Tuple[str, ...]:
+    """The selective recompute fields that recompute ``mode`` turns on in a layer it runs that way."""
+    if mode != "selective":
+        return ()
+    return tuple(k for k, v in recompute_config_kwargs(mode, fp8=fp8).items() if k.startswith("recompute_") and v is True)
 
 
 def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode: str, layout: str = "packed",
@@ -235,7 +251,7 @@ def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode
         b = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
         return config.hidden_size * b / (sizes.tp if sizes.sp else 1) / sizes.cp
     tensors = layer_tensors(config, layer_number, layout, transformer_engine, fp8)
-    return _per_token_bytes(tensors, sizes, "selective" if mode == "selective" else None)
+    return _per_token_bytes(tensors, sizes, selectively_freed(mode, fp8))
 
 
 def _check_recompute(mode: str, layers: Optional[int], max_layers: int) -> None:

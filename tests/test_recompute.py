@@ -46,6 +46,16 @@ def test_recompute_config_kwargs(mode, layers, expected):
     assert recompute_config_kwargs(mode, layers) == expected
 
 
+@pytest.mark.parametrize("mode, layers, expected", [
+    ("selective", None, dict(recompute_granularity="selective", recompute_modules=[], recompute_qk_norm_rope=True)),
+    ("selective", 2, dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2,
+                          recompute_qk_norm_rope=True)),
+    ("full", None, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+])
+def test_selective_recompute_under_fp8_recomputes_only_q_and_k(mode, layers, expected):
+    assert recompute_config_kwargs(mode, layers, fp8=True) == expected
+
+
 @pytest.mark.parametrize("mode, layers, match", [
     ("partial", None, "recompute must be one of"),
     ("selective", 0, "recompute_layers must be a positive int"),

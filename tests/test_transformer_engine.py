@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_dualkv.mcore import transformer_engine_available
-from megatron_dualkv.memory import MemoryModel, layer_tensors
+from megatron_dualkv.mcore.parallel import ParallelSizes
+from megatron_dualkv.memory import MemoryModel, layer_activation_bytes, layer_tensors
 from megatron_dualkv.models import build_model
 from megatron_dualkv.cli import FP8_CHOICES
 from megatron_dualkv.models.builder import (
@@ -108,8 +109,8 @@ def test_a_local_state_dict_loads_into_the_names_of_fused_norms():
         load_megatron_state_dict(root, {"decoder.layers.0.input_layernorm.weight": torch.ones(2)})
 
 
-def _bytes(tensors, drop=None):
-    return sum(t.elements * t.bytes_per_element for t in tensors if drop is None or t.freed_by != drop)
+def _bytes(tensors):
+    return sum(t.elements * t.bytes_per_element for t in tensors)
 
 
 def test_the_memory_model_counts_the_te_spec_like_the_local_one_for_dense_layers():
@@ -117,14 +118,28 @@ def test_the_memory_model_counts_the_te_spec_like_the_local_one_for_dense_layers
     assert layer_tensors(config, 1, transformer_engine=True) == layer_tensors(config, 1)
 
 
-def test_fp8_keeps_one_byte_copies_of_the_linear_inputs_whatever_the_recompute():
+def test_fp8_keeps_one_byte_copies_of_the_linear_inputs_and_the_swiglu_input_whatever_the_recompute():
     config = MemoryModel.for_card("qwen3-4b").config
     h, f, heads_d = config.hidden_size, config.ffn_hidden_size, config.num_attention_heads * config.kv_channels
     bf16, fp8 = layer_tensors(config, 1), layer_tensors(config, 1, transformer_engine=True, fp8=True)
-    # the two norm outputs and the activation: 2 bytes -> 1; plus linear_proj's copy of the attention output
+    # the two norm outputs, fc1's output (the SwiGLU's input, 2f) and the activation: 2 bytes -> 1;
+    # plus linear_proj's copy of the attention output
+    assert _bytes(bf16) - _bytes(fp8) == (2 * h + 2 * f + f) - heads_d
+
+    def selective(fp8):
+        return layer_activation_bytes(config, 1, ParallelSizes(), "selective", transformer_engine=True, fp8=fp8)
+
+    # bytes: in bf16 selective recompute frees the norm outputs and the activation; under FP8 it
+    # recomputes only q and k, their 1-byte copies stay (2h + f), fc1's output drops from 2 bytes
+    # to 1 (2f) and linear_proj keeps its copy
+    assert selective(False) - selective(True) == 2 * f - (2 * h + f) - heads_d
+
+
+def test_fp8_keeps_geglus_input_in_bf16():
+    config = MemoryModel.for_card("gemma3-4b").config
+    h, f, heads_d = config.hidden_size, config.ffn_hidden_size, config.num_attention_heads * config.kv_channels
+    bf16, fp8 = layer_tensors(config, 1), layer_tensors(config, 1, transformer_engine=True, fp8=True)
     assert _bytes(bf16) - _bytes(fp8) == (2 * h + f) - heads_d
-    # selective recompute frees the bf16 tensors, not the FP8 copies that the linears hold
-    assert _bytes(bf16, "selective") - _bytes(fp8, "selective") == -(2 * h + f) - heads_d
 
 
 def test_te_experts_keep_one_activation_where_ours_keep_three():
@@ -176,3 +191,19 @@ def test_the_launch_script_refuses_transformer_engine_without_it_in_one_line():
     result = run(SCRIPT, "--transformer-engine", "on", "--steps", "1", expect_rc=2)
     assert result.stderr.strip().splitlines()[-1].startswith("error: --transformer-engine on: ")
     assert "Traceback" not in result.stderr
+
+
+FP8_TOOL = SCRIPT.parents[1] / "tools" / "fp8_logprob_error.py"
+
+
+@no_te
+def test_the_fp8_tool_says_what_it_needs_in_one_line():
+    out = run(str(FP8_TOOL), "--rollouts", str(SCRIPT.parent / "data" / "rollouts.jsonl"), expect_rc=2)
+    assert out.stderr.strip() == "error: FP8 runs in Transformer Engine's linears: this needs CUDA and transformer_engine"
+
+
+def test_the_fp8_tool_reports_absolute_and_signed_differences():
+    tool = load(FP8_TOOL, "fp8_logprob_error")
+    row = tool._row("m", "e4m3", torch.tensor([-1.0, -2.5, -0.5]), torch.tensor([-1.5, -2.0, -0.5]))
+    assert row["tokens"] == 3 and row["max_abs"] == 0.5 and row["mean_signed"] == 0.0
+    assert row["mean_abs"] == pytest.approx(1 / 3)

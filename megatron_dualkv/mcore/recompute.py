@@ -8,7 +8,9 @@ fields, the one definition the builder, launch scripts, benchmarks and the memor
 * ``"selective"``: in every layer, the outputs of the input and pre-MLP norms (what ``linear_qkv``
   and ``linear_fc1`` save), the normed and rotated q and k (what the attention kernel saves) and
   the MLP activation (what ``linear_fc2`` saves: SwiGLU, Gemma's GeGLU, the routed experts' SwiGLU)
-  are freed once their consumer has saved them and recomputed in the backward. With
+  are freed once their consumer has saved them and recomputed in the backward. Under FP8 only the
+  q and k: the norm outputs and the activation feed Transformer Engine's FP8 linears, which keep
+  1-byte copies of them whatever the recompute, so recomputing them would free nothing. With
   ``recompute_layers=N``, Megatron also recomputes the first N layers of every pipeline stage
   (model chunk) whole, and the selective part is off inside those layers.
 * ``"full"``: Megatron's full recompute: every layer keeps only its input (``recompute_layers=N``:
@@ -52,14 +54,17 @@ TE_ONLY_RECOMPUTE_MODULES = ("layernorm", "moe_act")
 
 # Our selective recompute (DualKVTransformerConfig): what recompute="selective" turns on
 SELECTIVE_RECOMPUTE_FIELDS = ("recompute_norms", "recompute_qk_norm_rope", "recompute_activations")
+# ... and under FP8 (the module docstring says why)
+FP8_SELECTIVE_RECOMPUTE_FIELDS = ("recompute_qk_norm_rope",)
 
 Release = Callable[[Tensor], None]
 
 
-def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None) -> Dict[str, Any]:
+def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, fp8: bool = False) -> Dict[str, Any]:
     """The ``DualKVTransformerConfig`` fields of recompute ``mode`` ("none", "selective", "full";
     None is "none") with ``layers`` = N layers of every pipeline stage (model chunk) recomputed
-    whole (None: "full" recomputes every layer, "selective" none whole).
+    whole (None: "full" recomputes every layer, "selective" none whole); fp8: the linears run in
+    FP8 (``FP8_SELECTIVE_RECOMPUTE_FIELDS``).
 
     The ladder the memory model climbs: none -> selective -> selective with N = 1 .. L -> full.
     ValueError naming ``recompute`` / ``recompute_layers`` for an unknown mode or a bad N (the
@@ -80,7 +85,7 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None) -
         # Megatron's own selective modules stay off: "layernorm" and "moe_act" need TE, and
         # "core_attn" would recompute a fused attention kernel for nothing.
         kwargs.update(recompute_granularity="selective", recompute_modules=[],
-                      **dict.fromkeys(SELECTIVE_RECOMPUTE_FIELDS, True))
+                      **dict.fromkeys(FP8_SELECTIVE_RECOMPUTE_FIELDS if fp8 else SELECTIVE_RECOMPUTE_FIELDS, True))
     if layers is not None:
         kwargs.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers)
         kwargs.pop("recompute_modules", None)

@@ -134,7 +134,7 @@ def build_model(
     dtype = param_dtype(card, dtype)
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
-    overrides = _with_recompute(overrides, recompute, recompute_layers)
+    overrides = _with_recompute(overrides, recompute, recompute_layers, fp8 is not None)
     overrides.update(fp8_config_kwargs(fp8, use_transformer_engine, dtype))
     _refuse_te_only_recompute(overrides)
     refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
@@ -247,6 +247,10 @@ def build_transformer_config(
     # config); the empty list it asks for means the same
     kwargs[_CUDA_GRAPH_SCOPE] = []
     kwargs.update(overrides)
+    if kwargs.get("fp8") and kwargs.get("bias_activation_fusion"):
+        # the fused SwiGLU keeps its input (fc1's output, the layer's largest tensor) in FP8: fc2
+        # keeps an FP8 copy of its output already, so the layer keeps no bf16 MLP tensor
+        kwargs.setdefault("activation_func_fp8_input_store", True)
     if kwargs.get("num_moe_experts") and kwargs.get("fp8"):
         # FP8 grouped matmuls take 16-row multiples per expert: Megatron pads the routing to them
         kwargs["moe_router_padding_for_quantization"] = True
@@ -254,7 +258,8 @@ def build_transformer_config(
     return family.config_class(**kwargs)
 
 
-def _with_recompute(overrides: Dict[str, Any], recompute: Optional[str], layers: Optional[int]) -> Dict[str, Any]:
+def _with_recompute(overrides: Dict[str, Any], recompute: Optional[str], layers: Optional[int],
+                    fp8: bool) -> Dict[str, Any]:
     """``overrides`` plus the config fields of ``recompute`` / ``recompute_layers``, which must not
     also be set one by one."""
     if recompute is None and layers is None:
@@ -264,7 +269,7 @@ def _with_recompute(overrides: Dict[str, Any], recompute: Optional[str], layers:
         raise ValueError(
             f"recompute={recompute!r} sets the recompute fields; do not also pass {', '.join(conflicting)}"
         )
-    return {**overrides, **recompute_config_kwargs(recompute, layers)}
+    return {**overrides, **recompute_config_kwargs(recompute, layers, fp8)}
 
 
 def _refuse_te_only_recompute(overrides: Dict[str, Any]) -> None:
