@@ -204,6 +204,6 @@ def test_the_fp8_tool_says_what_it_needs_in_one_line():
 
 def test_the_fp8_tool_reports_absolute_and_signed_differences():
     tool = load(FP8_TOOL, "fp8_logprob_error")
-    row = tool._row("m", "e4m3", torch.tensor([-1.0, -2.5, -0.5]), torch.tensor([-1.5, -2.0, -0.5]))
+    row = tool._row("m", "fp8 e4m3", torch.tensor([-1.0, -2.5, -0.5]), torch.tensor([-1.5, -2.0, -0.5]))
     assert row["tokens"] == 3 and row["max_abs"] == 0.5 and row["mean_signed"] == 0.0
     assert row["mean_abs"] == pytest.approx(1 / 3)

@@ -161,8 +161,9 @@ def test_the_fp8_tool_compares_the_same_weights(tmp_path):
               "--tokenizer", SCRIPT.parent / "data" / "tokenizer.model", "--groups", 2,
               "--out", tmp_path).stdout
     rows = (tmp_path / "fp8_logprob_error.csv").read_text().splitlines()
-    assert rows[0].startswith("model,fp8,tokens") and len(rows) == 3, out
-    assert all(0 < float(row.split(",")[3]) < FP8_MEAN_ABS for row in rows[1:]), out
+    assert rows[0].startswith("model,against_te_bf16,tokens") and len(rows) == 4, out
+    local, e4m3, hybrid = (float(row.split(",")[3]) for row in rows[1:])
+    assert 0 < local < e4m3 < FP8_MEAN_ABS and e4m3 == hybrid, out  # the forward is the same in both formats
 
 
 def test_a_checkpoint_loads_into_the_other_spec(models, tmp_path):

@@ -4,8 +4,9 @@ An RL user switching Transformer Engine's FP8 on needs to know how much it chang
 log-probs, which enter every importance ratio. This builds the model once in bf16 on the TE spec,
 then in each FP8 format with the same weights, runs the rollouts forward (packed layout, no
 gradient) and compares the trained tokens' log-probs: mean, 99th percentile and largest absolute
-difference, in nats. Weights: a converted Megatron checkpoint folder (``--model DIR``: what you
-train) or a card's random initialisation (small logits: the error of a trained model is larger).
+difference, in nats. The local spec in bf16 on the same weights is the yardstick: what two bf16
+implementations of the same model differ by. Weights: a converted Megatron checkpoint folder
+(``--model DIR``: what you train) or a card's random initialisation.
 
 Prints a table and writes CSV (needs a GPU with FP8 and Transformer Engine):
 
@@ -36,7 +37,7 @@ from megatron_dualkv.models.family import load_megatron_state_dict, local_spec_s
 from megatron_dualkv.rl import forward_logprobs  # noqa: E402
 from megatron_dualkv.rollout_io import RolloutFileError, read_rollouts  # noqa: E402
 
-COLUMNS = ["model", "fp8", "tokens", "mean_abs", "p99_abs", "max_abs", "mean_signed"]
+COLUMNS = ["model", "against_te_bf16", "tokens", "mean_abs", "p99_abs", "max_abs", "mean_signed"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,10 +64,10 @@ def _bf16_model(name: str):
     return load_model(name, **kwargs) if Path(name).is_dir() else build_model(name, **kwargs)
 
 
-def _row(model: str, fp8: str, got: torch.Tensor, want: torch.Tensor) -> dict:
+def _row(model: str, variant: str, got: torch.Tensor, want: torch.Tensor) -> dict:
     diff = got - want
     error = diff.abs()
-    return dict(model=model, fp8=fp8, tokens=error.numel(), mean_abs=error.mean().item(),
+    return dict(model=model, against_te_bf16=variant, tokens=error.numel(), mean_abs=error.mean().item(),
                 p99_abs=error.quantile(0.99).item() if error.numel() <= 2**24 else float("nan"),
                 max_abs=error.max().item(), mean_signed=diff.mean().item())
 
@@ -86,15 +87,17 @@ def main(argv=None) -> None:
     reference = _bf16_model(args.model)
     want = _trained_logprobs(reference, batch)
     weights = local_spec_state_dict(reference)
+    variants = {"local spec bf16": dict(use_transformer_engine=False)}
+    variants.update({f"fp8 {fp8}": dict(use_transformer_engine=True, fp8=fp8) for fp8 in args.fp8})
     rows = []
-    for fp8 in args.fp8:
-        quantized = build_model(card, dtype=torch.bfloat16, use_transformer_engine=True, fp8=fp8)
-        load_megatron_state_dict(quantized, weights)
-        rows.append(_row(card.name, fp8, _trained_logprobs(quantized, batch), want))
-        del quantized
-    print(f"| model | fp8 | tokens | mean abs | p99 abs | max abs | mean signed |\n|{' --- |' * 7}")
+    for name, spec in variants.items():
+        model = build_model(card, dtype=torch.bfloat16, **spec)
+        load_megatron_state_dict(model, weights)
+        rows.append(_row(card.name, name, _trained_logprobs(model, batch), want))
+        del model
+    print(f"| model | against TE bf16 | tokens | mean abs | p99 abs | max abs | mean signed |\n|{' --- |' * 7}")
     for r in rows:
-        print(f"| {r['model']} | {r['fp8']} | {r['tokens']:,} | {r['mean_abs']:.4f} | {r['p99_abs']:.4f} | "
+        print(f"| {r['model']} | {r['against_te_bf16']} | {r['tokens']:,} | {r['mean_abs']:.4f} | {r['p99_abs']:.4f} | "
               f"{r['max_abs']:.4f} | {r['mean_signed']:+.4f} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
