@@ -5,8 +5,6 @@ saves every rank's ``export_hf_weights`` and ``forward_logprobs`` of the ``SHAPE
 ``ROOT/<scenario>.rank<r>.pt`` and saves the model back with ``save_model`` (Megatron's own
 writer, the tensors split as the ranks hold them) to ``ROOT/<scenario>.saved``.
 """
-import os
-import socket
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -14,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
+from gloo_world import join_world, new_rendezvous
 from megatron_dualkv.models import checkpoint_card, export_hf_weights, load_model, save_model
 from megatron_dualkv.rl import forward_logprobs
 from rollouts import make_batch
@@ -32,8 +31,8 @@ SCENARIOS: Dict[str, Tuple[str, int, Dict]] = {  # name -> (card, world size, lo
 }
 
 
-def run_rank(rank: int, world: int, port: int, root: str, scenarios: List[str]) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def run_rank(rank: int, world: int, rendezvous: str, root: str, scenarios: List[str]) -> None:
+    join_world(rank, world, rendezvous)
     torch.set_num_threads(1)
     for name in scenarios:
         card, _, sizes = SCENARIOS[name]
@@ -50,7 +49,4 @@ def run_rank(rank: int, world: int, port: int, root: str, scenarios: List[str]) 
 def launch(scenarios: List[str], world: int, root) -> None:
     """Run ``scenarios`` (all of world size ``world``) in one gloo world; a rank's exception is
     raised here with its traceback, and the other ranks are stopped."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(run_rank, args=(world, port, str(root), scenarios), nprocs=world, join=True)
+    mp.spawn(run_rank, args=(world, new_rendezvous(root), str(root), scenarios), nprocs=world, join=True)

@@ -1,6 +1,6 @@
 """One rank of the multi-process tests (gloo on CPU):
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=.. MASTER_PORT=.. python tests/distributed_worker.py OUT_DIR SCENARIO [SCENARIO ...]
+    RANK=r WORLD_SIZE=n RENDEZVOUS=file python tests/distributed_worker.py OUT_DIR SCENARIO [SCENARIO ...]
 
 Scenarios run one after the other in the same world, each on fresh Megatron parallel state, and
 each saves its results to ``OUT_DIR/<scenario>.rank<r>.pt``; a scenario that raises saves its
@@ -23,7 +23,6 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import traceback
@@ -46,6 +45,7 @@ from megatron_dualkv.rl import (
     GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, forward_only, plan_mini_batches, ppo_updates,
     vocab_parallel_logprobs,
 )
+from gloo_world import join_world, new_rendezvous
 from rollouts import make_batch, make_groups, perturbed
 
 VOCAB_LOGITS_SEED = 5
@@ -347,6 +347,7 @@ def run_scenario(name: str) -> Dict:
 
 def main(out_dir: str, scenarios: List[str]) -> None:
     rank = int(os.environ["RANK"])
+    join_world(rank, int(os.environ["WORLD_SIZE"]), os.environ["RENDEZVOUS"])
     for name in scenarios:
         try:
             result = run_scenario(name)
@@ -363,13 +364,10 @@ def main(out_dir: str, scenarios: List[str]) -> None:
 def launch(scenarios: List[str], world_size: int, out_dir, timeout: float = 600) -> Dict[str, List[Dict]]:
     """Run ``scenarios`` in a gloo world of ``world_size`` processes; per scenario, each rank's
     results. AssertionError with the ranks' output when a rank fails."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rendezvous = new_rendezvous(out_dir)
     procs, logs = [], [os.path.join(out_dir, f"rank{rank}.log") for rank in range(world_size)]
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), RENDEZVOUS=rendezvous, OMP_NUM_THREADS="1")
         # output to files: a rank blocked on a full pipe would stall the others in a collective
         with open(logs[rank], "w") as log:
             procs.append(subprocess.Popen(
@@ -381,7 +379,8 @@ def launch(scenarios: List[str], world_size: int, out_dir, timeout: float = 600)
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        raise AssertionError(f"the {world_size} ranks did not finish {scenarios} within {timeout} s")
+        tails = "\n".join(f"rank {rank}:\n{open(log).read()[-3000:]}" for rank, log in enumerate(logs))
+        raise AssertionError(f"the {world_size} ranks did not finish {scenarios} within {timeout} s\n{tails}")
     outputs = [open(log).read() for log in logs]
     results = {}
     for name in scenarios:

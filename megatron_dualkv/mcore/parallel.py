@@ -27,7 +27,6 @@ RoPE), which must not run on top of ours.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -361,8 +360,9 @@ def single_rank_group() -> dist.ProcessGroup:
 
 
 def _init_process_group() -> None:
-    """The launcher's world under torchrun (RANK/WORLD_SIZE/MASTER_* set); else a world of one on a
-    free local port, without touching the environment that child processes would inherit."""
+    """The launcher's world under torchrun (RANK/WORLD_SIZE/MASTER_* set); else a world of one whose
+    store lives in this process: no port (a port found free can be taken by another process before
+    it is bound) and no change to the environment that child processes would inherit."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         local_rank, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
@@ -375,10 +375,4 @@ def _init_process_group() -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
