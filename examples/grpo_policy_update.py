@@ -446,6 +446,17 @@ def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
             predicted / sum(batch.num_tokens for batch in batches))
 
 
+def check_token_budget(args: argparse.Namespace, groups: List[Rollout]) -> None:
+    """--max-tokens holds the longest prompt with one of its responses (or trajectory): the planner
+    splits a group between micro-batches, never a response."""
+    longest = packed_sizes(groups)[1]
+    if args.max_tokens < longest:
+        raise InputError(
+            f"--max-tokens {args.max_tokens:,} is less than the longest prompt with one of its responses "
+            f"(or trajectory) in {args.rollouts.name}, {longest:,} tokens; raise --max-tokens to at least {longest:,}"
+        )
+
+
 def build_policy(args: argparse.Namespace) -> Policy:
     """Megatron model (``build_model``), DDP, Megatron's optimizer and scheduler, wired as Megatron's
     training loop wires them."""
@@ -941,6 +952,7 @@ def train(args: argparse.Namespace) -> None:
     rollouts = read_run_rollouts(args, card.config["vocab_size"])
     groups = file_groups(rollouts)
     fit = fit_to_memory(args, groups)
+    check_token_budget(args, groups)
     policy = build_policy(args)
     reference = build_reference(args)
     start = load_checkpoint(args.load, policy) if args.load else 0

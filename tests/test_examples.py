@@ -349,6 +349,18 @@ def test_a_real_model_refuses_the_sample_tokenizer(script):
         script.read_run_rollouts(args, 151_936)
 
 
+def test_a_token_budget_below_the_longest_response_names_the_flag(script, tmp_path):
+    """One line from the launch script, before any model is built (the planner's error ended a traceback)."""
+    rollouts = script.read_run_rollouts(script.parse_args([]), 256)
+    groups = script.file_groups(rollouts)
+    longest = script.packed_sizes(groups)[1]
+    script.check_token_budget(script.parse_args(["--max-tokens", str(longest)]), groups)
+    with pytest.raises(script.InputError, match=rf"^--max-tokens {longest - 1} is less than the longest prompt with one "
+                                                rf"of its responses \(or trajectory\) in rollouts.jsonl, {longest} tokens; "
+                                                rf"raise --max-tokens to at least {longest}$"):
+        script.check_token_budget(script.parse_args(["--max-tokens", str(longest - 1)]), groups)
+
+
 def test_input_errors_name_what_is_wrong(script, tmp_path):
     """--tis-cap without rollout log-probs; a reference checkpoint of another architecture (the
     error names both, before any weights are read)."""
