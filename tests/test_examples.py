@@ -853,7 +853,8 @@ def test_the_agent_episodes_command(tmp_path):
 @pytest.mark.parametrize("window", [None, 5])
 def test_attention_bench_baselines_use_the_layouts_mask(window):
     """tools/bench_attention.py: FlexAttention's mask_mod is the layout's rule (depth 1 and trees),
-    and SDPA's replicated sequences are the trajectories (each [P][R_i] at depth 1); small versions
+    SDPA's replicated sequences are the trajectories (each [P][R_i] at depth 1), and so are FA4's
+    varlen sequences with its window; small versions
     of the workloads, on the CPU. The issue's workloads have the shapes it asks for."""
     attention = load(ROOT / "tools" / "bench_attention.py", "bench_attention")
     for w in (attention.Workload("small", 3, 11, 7, 4, 2, 16, window),
@@ -869,6 +870,16 @@ def test_attention_bench_baselines_use_the_layouts_mask(window):
         for row in index:
             covered[row[:, None], row[None, :]] = True
         assert torch.equal(covered & (i[None, :] <= i[:, None]), layout.dense_mask())  # each sequence causal
+        # FA4's varlen rule on the concatenated sequences (same sequence, causal, at most `left` back),
+        # mapped to the packed tokens, is the layout's mask
+        starts, (left, right) = attention.cumulative_lengths(index), attention.fa4_window(w.window)
+        flat, sequence = index.flatten(), torch.bucketize(torch.arange(index.numel()), starts[1:], right=True)
+        j = torch.arange(index.numel())
+        allowed = ((sequence[:, None] == sequence[None, :]) & (j[None, :] <= j[:, None] + right)
+                   & (j[:, None] - j[None, :] <= (left if left is not None else index.numel())))
+        fa4 = torch.zeros(T, T).index_put_((flat[:, None].expand_as(allowed), flat[None, :].expand_as(allowed)),
+                                           allowed.float(), accumulate=True)  # a prompt is in several sequences
+        assert torch.equal(fa4 > 0, layout.dense_mask(w.window))
     trees = {w.name: attention.describe(w) for w in attention.WORKLOADS if isinstance(w, attention.TreeWorkload)}
     assert trees["d128-tree-agent"]["tokens"] == 4096 + 4 * 1024 + 8 * 3 * 1024
     assert trees["d128-tree-agent"]["replicated_tokens"] == 8 * (4096 + 4 * 1024)

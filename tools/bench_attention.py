@@ -1,6 +1,8 @@
 """DualKV attention benchmark: our kernels (default backend, and the Triton kernels alone) vs
-FlexAttention (same mask, packed layout) vs PyTorch SDPA (cuDNN / flash / memory-efficient) on the
-replicated layout.
+FlexAttention (same mask, packed layout; its Triton kernel, and FlashAttention-4 as its FLASH
+backend) vs PyTorch SDPA (cuDNN / flash / memory-efficient) and FlashAttention-4's own causal and
+varlen kernels on the replicated layout. FA4 (``flash-attn-4``) is optional: without it its rows
+say so.
 
 Workloads: one prompt and N responses (depth 1), and prefix trees of trajectories (issue #31):
 agent episodes, a tree search, and depth 1 given as trajectories (``-tree-`` names), packed by
@@ -132,7 +134,10 @@ TUNING_WORKLOADS = [
     Workload("tune-d512-4x4096x1024", 4, 4096, 1024, 32, 16, 512),
 ]
 # "dualkv": the default backend (native sm_90 kernels where they apply, else Triton); "dualkv_triton": Triton only
-METHODS = ["dualkv", "dualkv_triton", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+# "fa4_flex": FlexAttention's FLASH backend (FA4 with the block mask); "fa4_causal" / "fa4_varlen": FA4's
+# own kernels on the replicated layout, as a batch of equal-length sequences / concatenated with cu_seqlens
+METHODS = ["dualkv", "dualkv_triton", "flex", "fa4_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "fa4_causal",
+           "fa4_varlen"]
 TUNED_PASSES = ["fwd", "dq", "dkdv", "dkdv_window", "fused"]
 
 
@@ -203,21 +208,24 @@ def method_fn(method: str, w, layout: PackedLayout, q, k, v):
         backend = "auto" if method == "dualkv" else "triton"
         x = [t.clone().requires_grad_() for t in (q, k, v)]
         return (lambda: dualkv_attn_func(*x, layout, window_size=w.window, backend=backend)), x
-    if method == "flex":
+    if method in ("flex", "fa4_flex"):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         T = layout.total_tokens
         block_mask = create_block_mask(flex_mask_mod(layout, w.window), None, None, T, T, device="cuda")
         flex = torch.compile(flex_attention, dynamic=False)
+        options = {"BACKEND": "FLASH" if method == "fa4_flex" else "TRITON"}
         x = [t.transpose(0, 1).unsqueeze(0).clone().requires_grad_() for t in (q, k, v)]
-        return (lambda: flex(*x, block_mask=block_mask, enable_gqa=True)), x
+        return (lambda: flex(*x, block_mask=block_mask, enable_gqa=True, kernel_options=options)), x
+    index = w.replicated_index()
+    if method in ("fa4_causal", "fa4_varlen"):
+        return fa4_replicated(method, w, index, q, k, v)
     # SDPA on the replicated layout: N sequences [P][R_i] (or N trajectories), kv heads expanded
     # (SDPA backends need it)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[method]
-    index = w.replicated_index()
     rep = w.hq // w.hkv
     x = [t[index.flatten()].view(*index.shape, t.shape[1], w.d).repeat_interleave(rep if t is not q else 1, 2)
          .transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
@@ -227,6 +235,34 @@ def method_fn(method: str, w, layout: PackedLayout, q, k, v):
             return F.scaled_dot_product_attention(*x, is_causal=True)
 
     return run, x
+
+
+def cumulative_lengths(index: torch.Tensor) -> torch.Tensor:
+    """(N + 1,) int32 starts of the N replicated sequences of ``index`` (N, L), concatenated."""
+    n, length = index.shape
+    return torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=index.device)
+
+
+def fa4_window(window: int | None) -> tuple:
+    """FA4's (left, right) window of ours: a key at most ``window - 1`` positions back."""
+    return (None if window is None else window - 1, 0)
+
+
+def fa4_replicated(method: str, w, index: torch.Tensor, q, k, v):
+    """FA4's causal kernel on the replicated layout's (N, L) batch, or its varlen kernel on the N
+    sequences concatenated; K/V heads as they are (FA4 takes GQA)."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError as err:
+        raise RuntimeError("FlashAttention-4 is not installed (pip install flash-attn-4)") from err
+    x = [t[index.flatten()].contiguous().requires_grad_() for t in (q, k, v)]
+    window = fa4_window(w.window)
+    if method == "fa4_causal":
+        return (lambda: flash_attn_func(*(t.view(*index.shape, *t.shape[1:]) for t in x), causal=True,
+                                        window_size=window)[0]), x
+    starts, length = cumulative_lengths(index), index.shape[1]
+    return (lambda: flash_attn_varlen_func(*x, cu_seqlens_q=starts, cu_seqlens_k=starts, max_seqlen_q=length,
+                                           max_seqlen_k=length, causal=True, window_size=window)[0]), x
 
 
 def prepared(method: str, w: Workload):
