@@ -4,7 +4,8 @@ For every family, bf16: the TE spec's log-probs and every gradient of a GRPO ste
 local spec's own bf16 error (both against the local spec in float32, the exact reference), on the
 packed and the replicated layout; every recompute mode gives the step without recompute and keeps
 less; FP8 stays within the bound that docs/performance.md documents; checkpoints and
-``export_hf_weights`` carry the same tensors across the specs; the launch script runs on TE.
+``export_hf_weights`` carry the same tensors across the specs; the launch script runs on TE, and
+on two GPUs (TP with SP, PP, CP, EP, the distributed optimizer) takes the one-GPU TE run's steps.
 
     python -m pytest -q -s tests/test_transformer_engine_gpu.py   # -s: the FP8 errors, measured
 
@@ -25,7 +26,7 @@ from megatron_dualkv.models.family import load_megatron_state_dict, local_spec_s
 from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward, forward_logprobs
 from rollouts import make_groups, perturbed
 from saved_tensors import saved_tensors
-from test_examples import SCRIPT, run
+from test_examples import SCRIPT, TWO_GPU_RUNS, number, run, run_script, save_weights
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and transformer_engine_available()),
                                 reason="needs CUDA and Transformer Engine")
@@ -203,3 +204,28 @@ def test_the_launch_script_runs_on_te_and_says_so(flags, tmp_path):
     resumed = run(SCRIPT, "--steps", 3, "--transformer-engine", "off", "--load", tmp_path / "ckpt",
                   *[f for f in flags if f not in ("--fp8", "e4m3", "hybrid")]).stdout
     assert "resumed at step 2" in resumed and "step    3/3" in resumed, resumed
+
+
+@pytest.fixture(scope="module")
+def one_gpu_te_runs(tmp_path_factory):
+    """Per card: a weights folder, and the script's 3 steps from it on one rank with the TE spec."""
+    runs = {}
+    for card in {card for card, *_ in TWO_GPU_RUNS.values()}:
+        weights = tmp_path_factory.mktemp("weights") / card
+        save_weights(card, weights)
+        runs[card] = weights, run_script("--model", weights, "--steps", 3, "--transformer-engine", "on")[1]
+    return runs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL on two GPUs")
+@pytest.mark.parametrize("name", TWO_GPU_RUNS)
+def test_te_on_two_gpus_takes_the_one_gpu_steps(one_gpu_te_runs, name):
+    """test_examples' two-GPU layouts on the TE spec (its TP linears with SP, its grouped experts
+    under EP): the one-GPU TE run's steps, margins to rounding (the ranks reduce in another order)."""
+    card, *flags = TWO_GPU_RUNS[name]
+    weights, want = one_gpu_te_runs[card]
+    out, got = run_script("--model", weights, "--steps", 3, "--transformer-engine", "on", *flags, ranks=2)
+    assert "world 2" in out and "| spec transformer-engine |" in out.splitlines()[0] and sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert got[step]["reward"] == want[step]["reward"] and got[step]["rho"] == want[step]["rho"], step
+        assert number(got[step], "margin") == pytest.approx(number(want[step], "margin"), abs=1e-3), step
