@@ -193,30 +193,40 @@ TWO_GPU_RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def one_gpu_runs(tmp_path_factory):
-    """Per card: a weights folder, and the script's 3 steps from it on one rank."""
+def one_gpu_steps(tmp_path_factory, *flags):
+    """Per card of ``TWO_GPU_RUNS``: a weights folder, and the script's 3 steps from it on one rank with ``flags``."""
     runs = {}
     for card in {card for card, *_ in TWO_GPU_RUNS.values()}:
         weights = tmp_path_factory.mktemp("weights") / card
         save_weights(card, weights)
-        runs[card] = weights, run_script("--model", weights, "--steps", 3)[1]
+        runs[card] = weights, run_script("--model", weights, "--steps", 3, *flags)[1]
     return runs
+
+
+def assert_two_gpus_take_the_steps(name, one_gpu_runs, *flags):
+    """The launch script under torchrun on two GPUs with ``flags`` and ``TWO_GPU_RUNS[name]``'s, from
+    the same weights: the one-GPU run's steps (margins to rounding: the ranks reduce in another
+    order). Returns the run's stdout."""
+    card, *layout = TWO_GPU_RUNS[name]
+    weights, want = one_gpu_runs[card]
+    out, got = run_script("--model", weights, "--steps", 3, *flags, *layout, ranks=2)
+    assert "world 2" in out and sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert got[step]["reward"] == want[step]["reward"] and got[step]["rho"] == want[step]["rho"], step
+        assert number(got[step], "margin") == pytest.approx(number(want[step], "margin"), abs=1e-3), step
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_gpu_runs(tmp_path_factory):
+    return one_gpu_steps(tmp_path_factory)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="NCCL on two GPUs (tests/test_parallel.py checks these layouts exactly on gloo ranks)")
 @pytest.mark.parametrize("name", TWO_GPU_RUNS)
 def test_two_gpus_take_the_one_gpu_steps(one_gpu_runs, name):
-    """The launch script under torchrun on two GPUs, from the same weights: the one-GPU run's steps
-    (margins to bf16 rounding: the ranks reduce in another order)."""
-    card, *flags = TWO_GPU_RUNS[name]
-    weights, want = one_gpu_runs[card]
-    out, got = run_script("--model", weights, "--steps", 3, *flags, ranks=2)
-    assert "world 2" in out and sorted(got) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert got[step]["reward"] == want[step]["reward"] and got[step]["rho"] == want[step]["rho"], step
-        assert number(got[step], "margin") == pytest.approx(number(want[step], "margin"), abs=1e-3), step
+    assert_two_gpus_take_the_steps(name, one_gpu_runs)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL on two GPUs (test_parallel checks PPO mini-batches at dp 2 on gloo)")

@@ -26,7 +26,7 @@ from megatron_dualkv.models.family import load_megatron_state_dict, local_spec_s
 from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward, forward_logprobs
 from rollouts import make_groups, perturbed
 from saved_tensors import saved_tensors
-from test_examples import SCRIPT, TWO_GPU_RUNS, number, run, run_script, save_weights
+from test_examples import SCRIPT, TWO_GPU_RUNS, assert_two_gpus_take_the_steps, one_gpu_steps, run
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and transformer_engine_available()),
                                 reason="needs CUDA and Transformer Engine")
@@ -94,6 +94,16 @@ def _assert_within_twice_the_local_error(te_step, local_step, exact_step, eps=2e
         assert te <= 2 * local + eps, f"{name}: TE {te:.3e}, local {local:.3e} (relative to the float32 gradient)"
 
 
+def _assert_the_same_step_keeping_less(recomputed, plain, batches):
+    """``recomputed``'s step is ``plain``'s (to bf16 rounding; recompute reorders nothing else) and
+    keeps fewer bytes for the backward."""
+    (lp, grads), (want_lp, want_grads) = _step(recomputed, batches), _step(plain, batches)
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=0.05)
+    for name, want in want_grads.items():
+        assert _relative_error(grads[name], want) < 0.03, name
+    assert saved_tensors(recomputed, batches[0].batch).kept < saved_tensors(plain, batches[0].batch).kept
+
+
 @pytest.mark.parametrize("layout", ["packed", "replicated"])
 def test_te_spec_is_within_the_bf16_bound_of_the_local_spec(models, layout):
     card, local, exact, te = models
@@ -117,12 +127,7 @@ def test_every_recompute_mode_runs_on_te_and_keeps_less(models, mode, layers):
     card, local, exact, te = models
     recomputed = _built(card, te, dtype=torch.bfloat16, use_transformer_engine=True, recompute=mode,
                         recompute_layers=layers)
-    batches = _micro_batches(local)
-    (lp, grads), (want_lp, want_grads) = _step(recomputed, batches), _step(te, batches)
-    torch.testing.assert_close(lp, want_lp, rtol=0, atol=0.05)
-    for name, want in want_grads.items():
-        assert _relative_error(grads[name], want) < 0.03, name
-    assert saved_tensors(recomputed, batches[0].batch).kept < saved_tensors(te, batches[0].batch).kept
+    _assert_the_same_step_keeping_less(recomputed, te, _micro_batches(local))
 
 
 @pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
@@ -148,12 +153,7 @@ def test_selective_recompute_under_fp8_gives_the_fp8_step(models):
     plain = _built(card, te, dtype=torch.bfloat16, use_transformer_engine=True, fp8="e4m3")
     recomputed = _built(card, te, dtype=torch.bfloat16, use_transformer_engine=True, fp8="e4m3", recompute="selective")
     assert not (recomputed.config.recompute_norms or recomputed.config.recompute_activations)
-    batches = _micro_batches(local)
-    (lp, grads), (want_lp, want_grads) = _step(recomputed, batches), _step(plain, batches)
-    torch.testing.assert_close(lp, want_lp, rtol=0, atol=0.05)
-    for name, want in want_grads.items():
-        assert _relative_error(grads[name], want) < 0.03, name
-    assert saved_tensors(recomputed, batches[0].batch).kept < saved_tensors(plain, batches[0].batch).kept
+    _assert_the_same_step_keeping_less(recomputed, plain, _micro_batches(local))
 
 
 def test_the_fp8_tool_compares_the_same_weights(tmp_path):
@@ -208,24 +208,13 @@ def test_the_launch_script_runs_on_te_and_says_so(flags, tmp_path):
 
 @pytest.fixture(scope="module")
 def one_gpu_te_runs(tmp_path_factory):
-    """Per card: a weights folder, and the script's 3 steps from it on one rank with the TE spec."""
-    runs = {}
-    for card in {card for card, *_ in TWO_GPU_RUNS.values()}:
-        weights = tmp_path_factory.mktemp("weights") / card
-        save_weights(card, weights)
-        runs[card] = weights, run_script("--model", weights, "--steps", 3, "--transformer-engine", "on")[1]
-    return runs
+    return one_gpu_steps(tmp_path_factory, "--transformer-engine", "on")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL on two GPUs")
 @pytest.mark.parametrize("name", TWO_GPU_RUNS)
 def test_te_on_two_gpus_takes_the_one_gpu_steps(one_gpu_te_runs, name):
     """test_examples' two-GPU layouts on the TE spec (its TP linears with SP, its grouped experts
-    under EP): the one-GPU TE run's steps, margins to rounding (the ranks reduce in another order)."""
-    card, *flags = TWO_GPU_RUNS[name]
-    weights, want = one_gpu_te_runs[card]
-    out, got = run_script("--model", weights, "--steps", 3, "--transformer-engine", "on", *flags, ranks=2)
-    assert "world 2" in out and "| spec transformer-engine |" in out.splitlines()[0] and sorted(got) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert got[step]["reward"] == want[step]["reward"] and got[step]["rho"] == want[step]["rho"], step
-        assert number(got[step], "margin") == pytest.approx(number(want[step], "margin"), abs=1e-3), step
+    under EP): the one-GPU TE run's steps."""
+    out = assert_two_gpus_take_the_steps(name, one_gpu_te_runs, "--transformer-engine", "on")
+    assert "| spec transformer-engine |" in out.splitlines()[0]
