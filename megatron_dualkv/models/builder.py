@@ -28,8 +28,9 @@ from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
 from .qwen3 import QWEN3, QWEN3_MOE
+from .qwen3_next import QWEN3_5
 
-FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4)}
+FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4, QWEN3_5)}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Megatron-Core 0.16's block recompute calls the layers it does not recompute without the padding mask
