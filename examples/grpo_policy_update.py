@@ -347,10 +347,13 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = max(1, world // sizes.model_ranks)
-    memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
-                                  dp=dp, distributed_optimizer=args.use_distributed_optimizer,
-                                  ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
-                                  fp8=args.fp8 != "off")
+    try:
+        memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
+                                      dp=dp, distributed_optimizer=args.use_distributed_optimizer,
+                                      ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
+                                      fp8=args.fp8 != "off")
+    except NotImplementedError as err:
+        raise InputError(f"--recompute auto / --max-tokens auto: {err}") from None
     whole, longest, responses = packed_sizes(groups)
     replicated, multiple = args.layout == "replicated", micro_batch_token_multiple(sizes, args.fp8 != "off")
     if replicated:
@@ -519,7 +522,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
 def _transformer_engine(args: argparse.Namespace) -> bool:
     """Whether the run builds the Transformer Engine spec (--transformer-engine, checked)."""
     try:
-        return layer_spec(args)[0]
+        return layer_spec(args, model_card(args))[0]
     except (ImportError, ValueError) as err:
         raise InputError(f"--transformer-engine {args.transformer_engine}: {err}") from None
 

@@ -121,6 +121,10 @@ PARALLEL_RUNS = {
     "trees_moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), trees=True),
     "trees_gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2), trees=True),
     "trees_dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4), trees=True),
+    # Qwen3.5: Gated DeltaNet heads split by tp (in_proj grouped per key head), its layers split by pp
+    # (two GDN layers on the first stage, a GDN and the full-attention layer on the second)
+    "hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True)),
+    "hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2)),
 }
 
 def random_tree_shapes(seed: int, groups: range, depth: int = 5, branching: int = 4) -> list:

@@ -34,6 +34,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import (
@@ -67,7 +68,7 @@ class DualKVGatedDeltaNet(MegatronModule):
         super().__init__(config)
         self.layer_number = layer_number
         tp = pg_collection.tp if pg_collection is not None else None
-        tp_size = tp.size() if tp is not None else 1
+        tp_size, tp_rank = (tp.size(), tp.rank()) if tp is not None else (1, 0)
         key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
         if value_heads % key_heads:
             raise ValueError(f"linear_num_value_heads ({value_heads}) must be a multiple of linear_num_key_heads ({key_heads})")
@@ -92,13 +93,17 @@ class DualKVGatedDeltaNet(MegatronModule):
         for name in TP_SPLIT_PARAMETERS:
             set_tensor_model_parallel_attributes(getattr(self, name), True, 0, 1)
         with torch.no_grad():
-            # transformers' initialisation: conv as nn.Conv1d's default, A uniform in (0.01, 16)
+            # transformers' initialisation (conv as nn.Conv1d's default, A uniform in (0.01, 16)), drawn
+            # whole and sliced: the same seed gives the same full weights at any tp, as Megatron's
+            # linears initialised on the host
             bound = self.width**-0.5
-            self.conv_weight.uniform_(-bound, bound)
-            self.A_log.copy_(torch.empty(local_values).uniform_(0.01, 16).log())
+            conv = torch.empty(key_heads * self.conv_group_channels, self.width).uniform_(-bound, bound)
+            a_log = torch.empty(value_heads).uniform_(0.01, 16).log()
+            self.conv_weight.copy_(conv.chunk(tp_size)[tp_rank])
+            self.A_log.copy_(a_log.chunk(tp_size)[tp_rank])
         self.norm_weight = torch.nn.Parameter(torch.ones(self.value_dim, dtype=dtype))
-        self.norm_weight.sequence_parallel = False  # applied after in_proj's gather: every rank sees all tokens
         self.norm_eps = config.layernorm_epsilon
+        self.tp_group = tp
         self.out_proj = build_module(
             submodules.out_proj, value_heads * self.value_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=True,
@@ -140,9 +145,14 @@ class DualKVGatedDeltaNet(MegatronModule):
         return out
 
     def _gated_norm(self, out: Tensor, gate: Tensor) -> Tensor:
-        """RMSNorm over each head's values, times ``norm_weight`` and SiLU of the gate, in float32."""
+        """RMSNorm over each head's values, times ``norm_weight`` and SiLU of the gate, in float32.
+
+        Every head shares ``norm_weight`` and each tensor-parallel rank holds some heads: the weight
+        enters through Megatron's copy-to-TP-region, whose backward sums the ranks' gradients."""
+        weight = self.norm_weight if self.tp_group is None else copy_to_tensor_model_parallel_region(self.norm_weight,
+                                                                                                     self.tp_group)
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        return normed * self.norm_weight.float() * F.silu(gate.float())
+        return normed * weight.float() * F.silu(gate.float())
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: Tuple = (), metadata: Optional[dict] = None,
                            tp_group=None):

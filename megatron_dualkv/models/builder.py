@@ -131,7 +131,7 @@ def build_model(
     card = load_card(card)
     family = family_of(card)
     sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, vpp=vpp, sp=sp)
-    use_transformer_engine = uses_transformer_engine(use_transformer_engine)
+    use_transformer_engine = uses_transformer_engine(use_transformer_engine, family)
     dtype = param_dtype(card, dtype)
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
@@ -151,11 +151,16 @@ def build_model(
     return chunks if sizes.vpp else chunks[0]
 
 
-def uses_transformer_engine(requested: Optional[bool]) -> bool:
+def uses_transformer_engine(requested: Optional[bool], family: Optional[ModelFamily] = None) -> bool:
     """Whether ``build_model(use_transformer_engine=requested)`` builds the TE spec: ``requested``,
-    checked (True needs transformer_engine and CUDA), or for None whether both are there."""
+    checked (True needs transformer_engine, CUDA and a family with a TE spec), or for None whether
+    all three are there."""
+    has_spec = family is None or family.transformer_engine_spec
     if requested is None:
-        return transformer_engine_available() and torch.cuda.is_available()
+        return has_spec and transformer_engine_available() and torch.cuda.is_available()
+    if requested and not has_spec:
+        raise ValueError(f"use_transformer_engine=True: model_type {family.model_type!r} has no Transformer Engine "
+                         "spec yet; build it with the local spec (use_transformer_engine=False or None)")
     if requested:
         require_transformer_engine("use_transformer_engine=True")
         if not torch.cuda.is_available():

@@ -151,4 +151,5 @@ QWEN3_5 = ModelFamily(
     config_class=HybridTransformerConfig,
     block_spec=hybrid_block_spec,
     hf_mapping=qwen3_5_state_dict_mapping,
+    transformer_engine_spec=False,
 )
