@@ -41,7 +41,10 @@ class HybridTransformerConfig(DualKVTransformerConfig):
         if unknown or len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types must give each of the {self.num_layers} layers one of {LAYER_TYPES}, "
                              f"got {len(self.layer_types)} entries" + (f" with {unknown}" if unknown else ""))
-        if self.context_parallel_size > 1 and "linear_attention" in self.layer_types:
+
+    def check_parallel_sizes(self, sizes) -> None:
+        """ValueError for what the GDN layers cannot run yet: our (Ulysses) context parallelism."""
+        if sizes.cp > 1 and "linear_attention" in self.layer_types:
             raise ValueError("context parallelism (cp > 1) is not supported with Gated DeltaNet layers yet: a GDN "
                              "layer's recurrence would need each rank's state from the rank before it; use tp or pp")
 

@@ -140,6 +140,8 @@ def build_model(
     _refuse_te_only_recompute(overrides)
     refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
     config = build_transformer_config(card, family, sizes, dtype, use_transformer_engine, overrides)
+    if hasattr(config, "check_parallel_sizes"):  # a family's own limits (the hybrid models' GDN layers)
+        config.check_parallel_sizes(sizes)
     check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
     vocab_size = model_kwargs["vocab_size"]
