@@ -158,6 +158,7 @@ class DualKVGatedDeltaNet(MegatronModule):
                            tp_group=None):
         """Megatron's distributed checkpoint: the module's own tensors split along TP like its heads."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = tp_group if tp_group is not None else self.tp_group
         own = {}
         self._save_to_state_dict(own, "", keep_vars=True)
         sharded = make_sharded_tensors_for_checkpoint(own, prefix, TP_SPLIT_PARAMETERS, sharded_offsets,
