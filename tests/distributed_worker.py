@@ -125,6 +125,7 @@ PARALLEL_RUNS = {
     # (two GDN layers on the first stage, a GDN and the full-attention layer on the second)
     "hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True)),
     "hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2)),
+    "hybrid_moe_ep2": ParallelRun("qwen3-next-tiny", 2, dict(ep=2)),  # with the gated shared expert
 }
 
 def random_tree_shapes(seed: int, groups: range, depth: int = 5, branching: int = 4) -> list:

@@ -26,11 +26,11 @@ UNEVEN_CARDS = {
     "gemma3-uneven": ModelCard("gemma3-uneven", {**load_card("gemma3-tiny").config, "num_hidden_layers": 5,
                                                  "vocab_size": 300}),
 }
-CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny", *UNEVEN_CARDS]
+CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny", "qwen3-next-tiny", *UNEVEN_CARDS]
 # the parallel sizes each checkpoint is converted for (Gemma 4's one global key/value head allows no tp)
 CONVERT_SIZES = {
     "qwen3-tiny": dict(tp=2, pp=2), "qwen3-moe-tiny": dict(ep=2), "gemma3-tiny": dict(tp=2), "gemma4-tiny": {},
-    "qwen3_5-tiny": dict(tp=2),
+    "qwen3_5-tiny": dict(tp=2), "qwen3-next-tiny": dict(ep=2),
     "qwen3-uneven": dict(tp=2, pp=2), "gemma3-uneven": dict(pp=2),
 }
 SHARD_SIZE = "100KB"  # several shards with an index, as published checkpoints come

@@ -68,10 +68,13 @@ def test_round_trip_is_bitwise(checkpoint, tmp_path):
     assert sorted(p.name for p in back.iterdir() if not p.name.endswith(".safetensors")) == [
         "config.json", "generation_config.json", "model.safetensors.index.json"
     ]
-    reloaded = AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    # transformers loads both folders into the same model (its own reload is not bitwise the model it
+    # saved for every family: Qwen3-Next's differs by 3e-7)
+    reloaded, original = (AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+                          for folder in (back, checkpoint.hf_dir))
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, checkpoint.hf(ids).logits)
+        assert torch.equal(reloaded(ids).logits, original(ids).logits)
 
 
 # ------------------------------------------------------------------------------ refusals

@@ -13,6 +13,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
 )
@@ -27,6 +29,7 @@ HF_MODELS = {
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     "gemma4_text": (Gemma4TextConfig, Gemma4ForCausalLM),
     "qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }
 # prompts longer than the Gemma cards' sliding window of 6
 SHAPES = [(9, [3, 1, 7]), (2, [5, 2]), (13, [6, 1])]
@@ -49,7 +52,8 @@ def hf_model(card):
     return model
 
 
-@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny"])
+@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny",
+                                                 "qwen3-next-tiny"])
 def models(request):
     card = load_card(request.param)
     ours = build_model(card).eval()

@@ -28,9 +28,11 @@ from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
 from .qwen3 import QWEN3, QWEN3_MOE
-from .qwen3_next import QWEN3_5
+from .qwen3_next import QWEN3_5, QWEN3_NEXT
 
-FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4, QWEN3_5)}
+FAMILIES: Dict[str, ModelFamily] = {
+    family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4, QWEN3_5, QWEN3_NEXT)
+}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Megatron-Core 0.16's block recompute calls the layers it does not recompute without the padding mask
@@ -149,8 +151,21 @@ def build_model(
     model_kwargs.update(vocab_size=padded, unpadded_vocab_size=vocab_size)
     initialize_parallel_state(sizes, seed)
     _check_recompute(config)
+    if config.num_moe_experts:
+        _fit_moe_loss_tracker(config.num_layers)
     chunks = [_pipeline_chunk(family, config, use_transformer_engine, model_kwargs, vp_stage) for vp_stage in range(sizes.vpp or 1)]
     return chunks if sizes.vpp else chunks[0]
+
+
+def _fit_moe_loss_tracker(num_layers: int) -> None:
+    """Megatron logs MoE losses per layer in a process-wide tracker whose tensors are sized by the
+    first model that routes tokens; a model of more layers built later in the process (another card,
+    the next test) would index past them. Entries of another size are dropped (they only log)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    for name in [name for name, entry in tracker.items() if entry["values"].numel() != num_layers]:
+        del tracker[name]
 
 
 def uses_transformer_engine(requested: Optional[bool], family: Optional[ModelFamily] = None) -> bool:

@@ -11,6 +11,7 @@ Layers and model: ``mcore.hybrid``; the GDN on the packed layout: ``mcore.gated_
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, List
 
 import torch
@@ -18,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from ..mcore.hybrid import LAYER_TYPES, HybridTransformerConfig, hybrid_block_spec
+from ..planner import moe_layer_flags
 from .cards import ModelCard
 from .family import (
     ModelFamily,
@@ -30,17 +32,37 @@ from .family import (
     one_to_one,
     split_query_groups,
 )
-from .qwen3 import _mlp_mappings, qwen3_gpt_model_kwargs, qwen3_transformer_config_kwargs
+from .qwen3 import (
+    _mlp_mappings,
+    _moe_mappings,
+    qwen3_gpt_model_kwargs,
+    qwen3_moe_transformer_config_kwargs,
+    qwen3_transformer_config_kwargs,
+)
 
 
 def qwen3_5_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
-    kwargs = qwen3_transformer_config_kwargs(card)
+    return _with_hybrid_layers(card, qwen3_transformer_config_kwargs(card))
+
+
+def qwen3_next_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
+    kwargs = _with_hybrid_layers(card, qwen3_moe_transformer_config_kwargs(card))
+    shared = card_field(card, "shared_expert_intermediate_size", 0)
+    if shared:  # behind a sigmoid gate, as Megatron's moe_shared_expert_gate
+        kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return kwargs
+
+
+def _with_hybrid_layers(card: ModelCard, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """A Qwen3 (or Qwen3-MoE) config's fields plus the hybrid decoder's: the layer types, the GDN
+    sizes, zero-centred norms and the attention's output gate."""
     num_layers = kwargs["num_layers"]
     layer_types = tuple(card_field(card, "layer_types", None) or _interval_layer_types(card, num_layers))
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"model card {card.name!r}: unknown layer_types {unknown}; supported: {list(LAYER_TYPES)}")
-    kwargs.update(
+    return dict(
+        kwargs,
         layer_types=layer_types,
         layernorm_zero_centered_gamma=True,
         attention_output_gate=True,
@@ -50,7 +72,6 @@ def qwen3_5_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
         linear_num_key_heads=card_field(card, "linear_num_key_heads"),
         linear_num_value_heads=card_field(card, "linear_num_value_heads"),
     )
-    return kwargs
 
 
 def _interval_layer_types(card: ModelCard, num_layers: int) -> List[str]:
@@ -65,20 +86,33 @@ def qwen3_5_gpt_model_kwargs(card: ModelCard) -> Dict[str, Any]:
     return dict(qwen3_gpt_model_kwargs(card), rotary_percent=float(rotary_percent))
 
 
-def qwen3_5_state_dict_mapping(card: ModelCard, config: TransformerConfig) -> StateDictMapping:
-    """transformers' ``Qwen3_5ForCausalLM`` state dict <-> ours."""
+def qwen3_next_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts_one_by_one: bool = False
+                                  ) -> StateDictMapping:
+    """transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3NextForCausalLM`` state dict <-> ours.
+
+    Qwen3-Next fuses the GDN projections per key head already (``in_proj_qkvz``, ``in_proj_ba``),
+    Qwen3.5 keeps them apart; its MoE layers add a shared expert behind a sigmoid gate.
+    experts_one_by_one: the routed experts named as the published safetensors files name them."""
+    moe_layers = moe_layer_flags(config)
     mappings = []
     for i, kind in enumerate(config.layer_types):
         hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
         if kind == "linear_attention":
-            mappings += gated_delta_net_mappings(hf + "linear_attn.", ours + "self_attention.", config)
+            mappings += gated_delta_net_mappings(hf + "linear_attn.", ours + "self_attention.", config,
+                                                 fused=card.model_type == "qwen3_next")
         else:
             mappings += gated_attention_mappings(hf + "self_attn.", ours + "self_attention.", config)
         mappings += [
             one_to_one(hf + "input_layernorm.weight", ours + "input_layernorm.weight"),
             one_to_one(hf + "post_attention_layernorm.weight", ours + "pre_mlp_layernorm.weight"),
-            *_mlp_mappings(hf + "mlp.", ours + "mlp."),
         ]
+        if moe_layers[i]:
+            mappings += _moe_mappings(hf + "mlp.", ours + "mlp.", config, experts_one_by_one)
+            if config.moe_shared_expert_intermediate_size:
+                mappings += [*_mlp_mappings(hf + "mlp.shared_expert.", ours + "mlp.shared_experts."),
+                             one_to_one(hf + "mlp.shared_expert_gate.weight", ours + "mlp.shared_experts.gate_weight")]
+        else:
+            mappings += _mlp_mappings(hf + "mlp.", ours + "mlp.")
     return decoder_mapping(mappings, tied=card_field(card, "tie_word_embeddings", False),
                            vocab_size=card_field(card, "vocab_size"))
 
@@ -107,13 +141,20 @@ def gated_attention_mappings(hf: str, ours: str, config: TransformerConfig) -> L
     return [qkv, *attention_mappings(hf, ours, config)[1:]]
 
 
-def gated_delta_net_mappings(hf: str, ours: str, config: TransformerConfig) -> List[TensorMapping]:
-    """transformers' GDN (in_proj_qkv/z/b/a, a depthwise conv over [q; k; v]) <-> ours, whose
-    in_proj and conv channels are grouped per key head (``DualKVGatedDeltaNet``)."""
+def gated_delta_net_mappings(hf: str, ours: str, config: TransformerConfig, fused: bool = False) -> List[TensorMapping]:
+    """transformers' GDN (a depthwise conv over [q; k; v], and Qwen3.5's in_proj_qkv/z/b/a or
+    Qwen3-Next's ``fused`` in_proj_qkvz/ba, already grouped per key head) <-> ours, whose in_proj
+    and conv channels are grouped per key head (``DualKVGatedDeltaNet``)."""
     key_heads, key_dim = config.linear_num_key_heads, config.linear_key_head_dim
     values_per_key = config.linear_num_value_heads // key_heads
     value_rows = values_per_key * config.linear_value_head_dim
     qkv_rows = (key_heads * key_dim, key_heads * key_dim)  # then v
+    if fused:
+        in_proj_mapping = TensorMapping(
+            (hf + "in_proj_qkvz.weight", hf + "in_proj_ba.weight"), (ours + "in_proj.weight",),
+            partial(interleave_query_groups, key_heads),
+            partial(split_query_groups, num_query_groups=key_heads,
+                    rows_per_group=(2 * key_dim + 2 * value_rows, 2 * values_per_key)))
 
     def in_proj(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor) -> Tensor:
         return interleave_query_groups(key_heads, *_split_qkv(qkv, qkv_rows), z, b, a)
@@ -129,9 +170,11 @@ def gated_delta_net_mappings(hf: str, ours: str, config: TransformerConfig) -> L
     def conv_to_hf(weight: Tensor) -> Tensor:
         return torch.cat(split_query_groups(weight, key_heads, (key_dim, key_dim, value_rows))).unsqueeze(1)
 
+    if not fused:
+        in_proj_mapping = TensorMapping(tuple(f"{hf}in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+                                        (ours + "in_proj.weight",), in_proj, in_proj_to_hf)
     return [
-        TensorMapping(tuple(f"{hf}in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), (ours + "in_proj.weight",),
-                      in_proj, in_proj_to_hf),
+        in_proj_mapping,
         TensorMapping((hf + "conv1d.weight",), (ours + "conv_weight",), conv, conv_to_hf),
         one_to_one(hf + "A_log", ours + "A_log"),
         one_to_one(hf + "dt_bias", ours + "dt_bias"),
@@ -144,12 +187,8 @@ def _split_qkv(qkv: Tensor, qk_rows) -> List[Tensor]:
     return list(torch.split(qkv, [*qk_rows, qkv.shape[0] - sum(qk_rows)]))
 
 
-QWEN3_5 = ModelFamily(
-    "qwen3_5_text",
-    qwen3_5_transformer_config_kwargs,
-    qwen3_5_gpt_model_kwargs,
-    config_class=HybridTransformerConfig,
-    block_spec=hybrid_block_spec,
-    hf_mapping=qwen3_5_state_dict_mapping,
-    transformer_engine_spec=False,
-)
+_HYBRID = dict(config_class=HybridTransformerConfig, block_spec=hybrid_block_spec, hf_mapping=qwen3_next_state_dict_mapping,
+               transformer_engine_spec=False)
+QWEN3_5 = ModelFamily("qwen3_5_text", qwen3_5_transformer_config_kwargs, qwen3_5_gpt_model_kwargs, **_HYBRID)
+QWEN3_NEXT = ModelFamily("qwen3_next", qwen3_next_transformer_config_kwargs, qwen3_5_gpt_model_kwargs, **_HYBRID,
+                         hf_file_mapping=partial(qwen3_next_state_dict_mapping, experts_one_by_one=True))
