@@ -519,17 +519,18 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
                 seed=args.seed, use_transformer_engine=_transformer_engine(args), fp8=spec_kwargs(args)["fp8"])
 
 
-def _transformer_engine(args: argparse.Namespace) -> bool:
-    """Whether the run builds the Transformer Engine spec (--transformer-engine, checked)."""
+def _transformer_engine(args: argparse.Namespace, card=None) -> bool:
+    """Whether the run builds the Transformer Engine spec (--transformer-engine, checked) for ``card``
+    (default --model's: a family without a TE spec builds the local one)."""
     try:
-        return layer_spec(args, model_card(args))[0]
+        return layer_spec(args, model_card(args) if card is None else card)[0]
     except (ImportError, ValueError) as err:
         raise InputError(f"--transformer-engine {args.transformer_engine}: {err}") from None
 
 
-def spec_name(args: argparse.Namespace) -> str:
-    """The layer spec the run builds, as its first line names it."""
-    return spec_label(_transformer_engine(args), spec_kwargs(args)["fp8"])
+def spec_name(args: argparse.Namespace, card=None) -> str:
+    """The layer spec the run builds for ``card`` (default --model's), as its first line names it."""
+    return spec_label(_transformer_engine(args, card), spec_kwargs(args)["fp8"])
 
 
 def _build_or_load_model(args: argparse.Namespace):

@@ -68,13 +68,14 @@ def test_round_trip_is_bitwise(checkpoint, tmp_path):
     assert sorted(p.name for p in back.iterdir() if not p.name.endswith(".safetensors")) == [
         "config.json", "generation_config.json", "model.safetensors.index.json"
     ]
-    # transformers loads both folders into the same model (its own reload is not bitwise the model it
-    # saved for every family: Qwen3-Next's differs by 3e-7)
-    reloaded, original = (AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-                          for folder in (back, checkpoint.hf_dir))
+    # transformers loads the folder as the model it came from. Its Qwen3-Next logits after a reload
+    # are not bitwise reproducible (3e-7 apart, even between two reloads of one folder under
+    # pytest-xdist; the tensors above are equal bitwise), so those agree to 1e-6
+    reloaded = AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, original(ids).logits)
+        torch.testing.assert_close(reloaded(ids).logits, checkpoint.hf(ids).logits, rtol=0,
+                                   atol=1e-6 if checkpoint.card.model_type == "qwen3_next" else 0)
 
 
 # ------------------------------------------------------------------------------ refusals

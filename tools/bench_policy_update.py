@@ -645,7 +645,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         else:
             results = bench_model(card, layers, workloads, args, peak)
     for result in results:
-        result.spec = policy_update.spec_name(args)
+        result.spec = policy_update.spec_name(args, card)
     write_results(results, args)
 
 
