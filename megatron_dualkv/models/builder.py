@@ -161,10 +161,15 @@ def _fit_moe_loss_tracker(num_layers: int) -> None:
     """Megatron logs MoE losses per layer in a process-wide tracker whose tensors are sized by the
     first model that routes tokens; a model of more layers built later in the process (another card,
     the next test) would index past them. Entries of another size are dropped (they only log)."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    try:  # megatron-core 0.17+: a tracker object (the legacy getter returns a copy of its entries)
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    for name in [name for name, entry in tracker.items() if entry["values"].numel() != num_layers]:
+        tracker, values = get_moe_metrics_tracker().metrics, lambda entry: entry.values
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker, values = get_moe_layer_wise_logging_tracker(), lambda entry: entry["values"]
+    for name in [name for name, entry in tracker.items() if values(entry).numel() != num_layers]:
         del tracker[name]
 
 
