@@ -134,7 +134,7 @@ def model_output(model, batch, layout: str) -> Tensor:
     context parallelism the model runs on this rank's slice of the packed tokens."""
     _check_batch(model, batch, layout)
     if layout == "packed":
-        return _packed_output(model, batch)
+        return packed_output(model, batch)
     return _replicated_output(model, batch)
 
 
@@ -226,7 +226,10 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _packed_output(model, batch) -> Tensor:
+def packed_output(model, batch, held_prompt=None) -> Tensor:
+    """``model_output`` on the packed layout of ``batch`` (anything with tokens, a layout and
+    num_tokens); ``held_prompt``: the prefix-reuse state its attention holds or reads
+    (``rl.prefix_reuse``)."""
     # the tokens and the layout (whose .to is cached) only: not the batch's per-trajectory tensors
     device = _model_device(model)
     layout = batch.layout.to(device)
@@ -236,7 +239,7 @@ def _packed_output(model, batch) -> Tensor:
         input_ids=batch.tokens.to(device).unsqueeze(0),
         position_ids=layout.position_ids.unsqueeze(0),
         attention_mask=None,
-        packed_seq_params=DualKVPackedSeqParams.from_layout(layout),
+        packed_seq_params=DualKVPackedSeqParams.from_layout(layout, held_prompt),
         padding_mask=padding.unsqueeze(0),
         skip_output_layer=True,
     )
