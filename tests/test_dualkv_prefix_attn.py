@@ -1,14 +1,17 @@
 """dualkv_prefix_attn_func: responses against a prompt K/V operand held apart, against the float64
-dense-mask reference on the concatenated layout ([P][R1]..[RN] per group, ``dualkv_attn_func``)."""
+dense-mask reference on the concatenated layout ([P][R1]..[RN] per group, ``dualkv_attn_func``):
+the reference backend exactly, the Triton kernels on CPU (interpreter, tiny shapes) within the flash
+bound (2x the same-precision PyTorch error, plus a small epsilon)."""
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_dualkv import DualKVLayout
-from megatron_dualkv.layout import PrefixedLayout
-from megatron_dualkv.ops.dualkv_prefix_attn import dualkv_prefix_attn_func
+from megatron_dualkv import DualKVLayout, PrefixedLayout, dualkv_prefix_attn_func
 from megatron_dualkv.ops.reference import dualkv_attention_reference
+from flash_check import assert_within_twice_the_reference_error
 from strategies import rollout_groups
 
 
@@ -73,3 +76,34 @@ def test_bad_prefix_operand_is_named():
         dualkv_prefix_attn_func(q, k, v, torch.zeros(3, 2, 8), torch.zeros(4, 2, 8), layout)
     with pytest.raises(TypeError, match="PrefixedLayout"):
         dualkv_prefix_attn_func(q, k, v, k, v, DualKVLayout((1,), ((4,),)))
+
+
+def lengths_of(groups):
+    return tuple(len(g.prompt) for g in groups), tuple(tuple(map(len, g.responses)) for g in groups)
+
+
+triton_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels on CPU run under TRITON_INTERPRET=1 (conftest sets it)")
+
+
+@triton_interpreter
+@given(
+    rollout_groups(max_groups=3, max_prompt=37, max_responses=3, max_response=21, vocab=2),
+    st.integers(0, 3),
+    st.sampled_from([(1, 1), (2, 1), (6, 2), (3, 3)]),
+    st.sampled_from([8, 24]),
+    st.one_of(st.none(), st.integers(1, 40)),
+    st.one_of(st.none(), st.floats(1.0, 10.0)),
+    st.sampled_from([torch.float32, torch.float16]),
+)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_triton_within_the_flash_bound(groups, pad_len, heads, d, window, softcap, dtype):
+    kw = dict(window_size=window, softcap=softcap, softmax_scale=0.8 / d**0.5)
+    lengths = lengths_of(groups)
+    ours, exact = concatenated_and_prefixed(*lengths, pad_len, *heads, d, dtype, "triton", **kw)
+    same_precision, _ = concatenated_and_prefixed(*lengths, pad_len, *heads, d, dtype, "reference", **kw)
+    eps = 1e-5 if dtype == torch.float32 else 1e-3
+    for name, a, b, r in zip(NAMES, ours, same_precision, exact):
+        assert torch.isfinite(a).all(), name
+        assert_within_twice_the_reference_error(name, a, b, r, eps)

@@ -28,9 +28,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
-from ..attention import dualkv_attn_func
+from ..attention import dualkv_attn_func, dualkv_prefix_attn_func
 from ..layout import PrefixedLayout
-from ..ops.dualkv_prefix_attn import dualkv_prefix_attn_func
 from .context_parallel import context_parallel_size, local_tokens, ulysses_attention
 from .packed_seq_params import DualKVPackedSeqParams
 
