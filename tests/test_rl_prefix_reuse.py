@@ -4,9 +4,10 @@ on the CPU, through Megatron's schedule."""
 import pytest
 import torch
 
-from megatron_dualkv import pack_groups
+from megatron_dualkv import Trajectory, pack_groups, plan_micro_batches
 from megatron_dualkv.models import build_model
-from megatron_dualkv.rl import DAPOLoss, GRPOLoss, RLMicroBatch, forward_backward, forward_logprobs, pack_prefix_reuse
+from megatron_dualkv.rl import (DAPOLoss, GRPOLoss, PrefixReuseBatch, RLMicroBatch, forward_backward, forward_logprobs,
+                                pack_prefix_reuse)
 from rollouts import make_groups, perturbed
 
 SHAPE = (11, [5, 1, 7, 3, 4])
@@ -128,3 +129,46 @@ def test_unsupported_combinations_are_named(model):
     with pytest.raises(ValueError, match=r"parts \[\[0\], \[0, 1\]\] must split the group's 5 responses"):
         pack_prefix_reuse(make_groups([SHAPE])[0], [[0], [0, 1]])
     model.zero_grad(set_to_none=True)
+
+
+PLAN_SHAPES = [(3, [2, 4]), (17, [5, 1, 7, 3, 4, 2]), (2, [1]), (9, [3, 3])]
+
+
+def test_plan_runs_a_long_group_with_prefix_reuse():
+    groups = make_groups(PLAN_SHAPES, seed=4)
+    for dp_size in (1, 2, 3):
+        plan = plan_micro_batches(groups, 28, dp_size, prefix_reuse=True)
+        # parts spread over ranks each compute the prompt there
+        sub_groups = plan_micro_batches(groups, 28, dp_size).packed_tokens
+        assert plan.packed_tokens < sub_groups if dp_size == 1 else plan.packed_tokens <= sub_groups
+        for rank in plan.ranks:
+            shared = [mb for mb in rank if mb.shared_prompt is not None]
+            assert all(mb.source_groups == (1,) for mb in shared)
+            # one prompt per rank, its parts one after the other, in order
+            assert len({id(mb.shared_prompt) for mb in shared}) <= 1
+            first = next((i for i, mb in enumerate(rank) if mb.shared_prompt is not None), 0)
+            assert [mb.part for mb in rank[first : first + len(shared)]] == list(range(len(shared)))
+            assert all(mb.shared_prompt.num_parts == len(shared) for mb in shared)
+        responses = sorted(i for rank in plan.ranks for mb in rank if mb.shared_prompt is not None
+                           for i in mb.source_responses[0])
+        assert responses == list(range(len(PLAN_SHAPES[1][1])))
+    with pytest.raises(ValueError, match="prefix_reuse plans rollout groups"):
+        plan_micro_batches([Trajectory([1, 2, 3], [0, 1, 1])], 8, prefix_reuse=True)
+
+
+def test_planned_prefix_reuse_step_equals_the_sub_group_step(model):
+    """The plan with prefix reuse and today's sub-groups: the same losses' sum and gradients."""
+    groups = make_groups(PLAN_SHAPES, seed=4)
+    advantages = GRPOLoss().advantages([torch.tensor(g.rewards) for g in groups])
+    results = []
+    for prefix_reuse in (False, True):
+        plan = plan_micro_batches(groups, 28, prefix_reuse=prefix_reuse)
+        loss_fn = GRPOLoss(normalizer=plan.loss_normalizer("sequence-mean"))
+        micro_batches = [RLMicroBatch(mb.pack(8), advantages=mb.select_responses(advantages), on_policy=True)
+                         for mb in plan.ranks[0]]
+        outputs, grads = step(model, micro_batches, loss_fn)
+        results.append((sum(out.loss for out in outputs) / len(outputs), grads))
+    assert any(isinstance(mb.batch, PrefixReuseBatch) for mb in micro_batches)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
+    for name, grad in results[1][1].items():
+        torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)

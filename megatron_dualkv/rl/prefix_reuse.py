@@ -171,18 +171,27 @@ def pack_prefix_reuse(group: RolloutGroup, parts: Sequence[Sequence[int]], pad_t
     if not parts or any(not part for part in parts) or every != list(range(len(group.responses))):
         raise ValueError(f"pack_prefix_reuse: parts {[list(p) for p in parts]} must split the group's "
                          f"{len(group.responses)} responses, each into exactly one non-empty part")
-    prompt = SharedPrompt(torch.as_tensor(list(group.prompt), dtype=torch.long), len(parts), pad_to_multiple_of,
-                          pad_token_id)
-    out = []
-    for index, part in enumerate(parts):
-        responses = [list(group.responses[i]) for i in part]
-        rewards = None if group.rewards is None else [group.rewards[i] for i in part]
-        stub = pack_groups([RolloutGroup(list(group.prompt)[-1:], responses, rewards)])
-        lens = tuple(map(len, responses))
-        pad = -sum(lens) % pad_to_multiple_of
-        tokens = torch.tensor([t for r in responses for t in r] + [pad_token_id] * pad, dtype=torch.long)
-        out.append(PrefixReuseBatch(prompt, index, tokens, PrefixedLayout((len(group.prompt),), (lens,), pad), stub))
-    return out
+    prompt = SharedPrompt(torch.as_tensor(list(group.prompt), dtype=torch.long), len(parts))
+    return [prefix_reuse_part(prompt, index, _responses_of(group, part), pad_to_multiple_of, pad_token_id)
+            for index, part in enumerate(parts)]
+
+
+def _responses_of(group: RolloutGroup, part: Sequence[int]) -> RolloutGroup:
+    rewards = None if group.rewards is None else [group.rewards[i] for i in part]
+    return RolloutGroup(group.prompt, [group.responses[i] for i in part], rewards)
+
+
+def prefix_reuse_part(prompt: SharedPrompt, index: int, group: RolloutGroup, pad_to_multiple_of: int = 1,
+                      pad_token_id: int = 0) -> PrefixReuseBatch:
+    """Part ``index`` of ``prompt``'s response micro-batches: ``group``, its prompt with this part's
+    responses, packed with padding to ``pad_to_multiple_of`` (the prompt's forward too)."""
+    prompt.pad_to_multiple_of, prompt.pad_token_id = pad_to_multiple_of, pad_token_id
+    responses = [list(r) for r in group.responses]
+    stub = pack_groups([RolloutGroup(list(group.prompt)[-1:], responses, group.rewards)])
+    lens = tuple(map(len, responses))
+    pad = -sum(lens) % pad_to_multiple_of
+    tokens = torch.tensor([t for r in responses for t in r] + [pad_token_id] * pad, dtype=torch.long)
+    return PrefixReuseBatch(prompt, index, tokens, PrefixedLayout((len(group.prompt),), (lens,), pad), stub)
 
 
 def prefix_reuse_output(model, micro_batch, layout: str):
