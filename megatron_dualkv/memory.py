@@ -413,13 +413,33 @@ class MemoryModel:
             transient = max(transient, 2 * chunk * 4 + hidden + 4 * rows * config.hidden_size)
         return transient
 
+    def held_prompt_bytes(self, prompt_tokens: int, mode: str, recompute_layers: Optional[int] = None,
+                          pp_rank: int = 0) -> float:
+        """What prefix reuse (``rl.prefix_reuse``) keeps beside the activations while a group's parts
+        run: per layer, the gradients its parts accumulate for the held prompt K/V, and copies of
+        what the prompt's layer does not keep itself: its keys where selective recompute frees them
+        (``recompute_qk_norm_rope``), its keys and values where the layer is recomputed whole (else
+        the held K/V are views of what its attention keeps, counted in the activations)."""
+        config = self.config
+        element = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
+        kv_heads = max(1, config.num_query_groups // self.sizes.tp)
+        row = kv_heads * config.kv_channels * element * prompt_tokens
+        total = 0.0
+        for layers in chunk_layers(config, self.sizes, pp_rank):
+            for layer_mode in layer_modes(mode, recompute_layers, layers):
+                total += row * {"none": 2, "selective": 3, "full": 4}[layer_mode]
+        return total
+
     # ---------------------------------------------------------------- totals
     def predict(self, tokens: int, predicting_rows: Optional[int] = None, recompute: str = "none",
                 recompute_layers: Optional[int] = None, num_micro_batches: int = 1, pp_rank: int = 0,
-                layout: str = "packed") -> MemoryEstimate:
+                layout: str = "packed", held_prompt_tokens: int = 0) -> MemoryEstimate:
         """Peak of pipeline rank ``pp_rank`` when every micro-batch has ``tokens`` tokens (the packed
         count before the TP/CP split; replicated: the padded batch's tokens) of which
-        ``predicting_rows`` (default: all) predict a trained token."""
+        ``predicting_rows`` (default: all) predict a trained token. ``held_prompt_tokens``: the
+        longest prompt that prefix reuse holds (its part's ``tokens`` count it, as a sub-group's
+        would: its activations stay alive while the parts run), whose ``held_prompt_bytes`` add a
+        part "held prompt"."""
         _check_recompute(recompute, recompute_layers, self._min_chunk_layers())
         rows = tokens if predicting_rows is None else predicting_rows
         parts = dict(self.static_parts(pp_rank))
@@ -427,6 +447,8 @@ class MemoryModel:
         per_micro_batch = per_token * tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank)
         parts["activations"] = per_micro_batch * self.in_flight_micro_batches(num_micro_batches, pp_rank)
         parts["transient"] = self.transient_bytes(tokens, rows, recompute, recompute_layers, pp_rank, layout)
+        if held_prompt_tokens:
+            parts["held prompt"] = self.held_prompt_bytes(held_prompt_tokens, recompute, recompute_layers, pp_rank)
         return MemoryEstimate(parts)
 
     def peak(self, *args, **kwargs) -> MemoryEstimate:

@@ -172,3 +172,16 @@ def test_planned_prefix_reuse_step_equals_the_sub_group_step(model):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
     for name, grad in results[1][1].items():
         torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("mode, rows", [("none", 2), ("selective", 3), ("full", 4)])
+def test_memory_model_counts_the_held_prompt(mode, rows):
+    """Per layer: the held K/V's accumulated gradients, and the copies the layer does not keep."""
+    from megatron_dualkv.memory import MemoryModel
+
+    memory = MemoryModel.for_card("qwen3-tiny")
+    config = memory.config
+    per_row = config.num_layers * config.num_query_groups * config.kv_channels * 4 * 100
+    estimate = memory.predict(160, recompute=mode, held_prompt_tokens=100)
+    assert estimate.parts["held prompt"] == rows * per_row
+    assert estimate.total == memory.predict(160, recompute=mode).total + rows * per_row

@@ -65,9 +65,13 @@ class HeldPrompt:
         if layer in self.kv:
             return
         rows = slice(0, self.prompt_len)
-        # a key the layer frees after its forward (recompute_qk_norm_rope) is held as a copy
-        k = key.detach()[rows].clone() if copy_key else key.detach()[rows]
-        self.kv[layer] = tuple(x.requires_grad_(self.requires_grad) for x in (k, value.detach()[rows]))
+        # Copies where the layer does not keep them itself: a key it frees after its forward
+        # (recompute_qk_norm_rope); both in a layer recomputed whole, whose first forward runs
+        # without grad in a training step (a view would keep all of linear_qkv's output alive).
+        whole = self.requires_grad and not torch.is_grad_enabled()
+        k, v = key.detach()[rows], value.detach()[rows]
+        k, v = k.clone() if copy_key or whole else k, v.clone() if whole else v
+        self.kv[layer] = (k.requires_grad_(self.requires_grad), v.requires_grad_(self.requires_grad))
 
     def add_held_gradients(self, layer: int, dk: Tensor, dv: Tensor) -> Tuple[Tensor, Tensor]:
         out = []
