@@ -179,9 +179,9 @@ def test_memory_model_counts_the_held_prompt(mode, rows):
     """Per layer: the held K/V's accumulated gradients, and the copies the layer does not keep."""
     from megatron_dualkv.memory import MemoryModel
 
-    memory = MemoryModel.for_card("qwen3-tiny")
+    memory = MemoryModel.for_card("qwen3-tiny", dtype=torch.bfloat16)
     config = memory.config
-    per_row = config.num_layers * config.num_query_groups * config.kv_channels * 4 * 100
+    per_row = config.num_layers * config.num_query_groups * config.kv_channels * 2 * 100
     estimate = memory.predict(160, recompute=mode, held_prompt_tokens=100)
     assert estimate.parts["held prompt"] == rows * per_row
     assert estimate.total == memory.predict(160, recompute=mode).total + rows * per_row
