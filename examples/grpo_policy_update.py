@@ -371,7 +371,8 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
             if replicated and args.recompute == args.max_tokens == AUTO:
                 fit = _largest_cheap_fit(memory, budget, need, multiple=multiple, **shape)
             else:
-                fit = memory.fit(budget, need, multiple=multiple, **setting, **shape)
+                fit = memory.fit(budget, need, multiple=multiple, **setting, **shape,
+                                 held_prompt_tokens=held_prompt(args, groups, need))
             break
         except ValueError as err:
             problem = err
@@ -380,7 +381,17 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     args.recompute, args.recompute_layers = fit.recompute, fit.recompute_layers
     if args.max_tokens == AUTO:
         args.max_tokens = fit.tokens
-    return memory.fit_at(args.max_tokens, fit.recompute, fit.recompute_layers, **shape)
+    return memory.fit_at(args.max_tokens, fit.recompute, fit.recompute_layers, **shape,
+                         held_prompt_tokens=held_prompt(args, groups, args.max_tokens))
+
+
+def held_prompt(args: argparse.Namespace, groups: List[Rollout], max_tokens: int) -> int:
+    """The longest prompt that prefix reuse holds with a budget of ``max_tokens`` (0: none; --prefix-reuse
+    as ``resolve_prefix_reuse`` leaves it, True where it runs)."""
+    if args.prefix_reuse is not True:
+        return 0
+    return max((len(g.prompt) for g in groups if isinstance(g, RolloutGroup)
+                and len(g.prompt) + sum(map(len, g.responses)) > max_tokens), default=0)
 
 
 def _largest_cheap_fit(memory: MemoryModel, budget: float, need: int, **shape) -> Fit:
@@ -419,7 +430,7 @@ def planned_micro_batches(args: argparse.Namespace, groups: List[Rollout], max_t
         rollouts = step_rollouts(groups, step_indices(len(groups), step, args.global_batch_size))
         no_advantages = torch.zeros(sum(len(rewards) for rewards in group_rewards(rollouts)))
         for mini in plan_mini_batches(rollouts, args.mini_batches, max_tokens, no_advantages, dp_size=dp_size,
-                                      attention_weight=attention_weight, prefix_reuse=args.prefix_reuse):
+                                      attention_weight=attention_weight, prefix_reuse=args.prefix_reuse is True):
             yield from (mb for rank in mini.plan.ranks for mb in rank)
 
 
@@ -997,9 +1008,9 @@ def train(args: argparse.Namespace) -> None:
     card = model_card(args)
     rollouts = read_run_rollouts(args, card.config["vocab_size"])
     groups = file_groups(rollouts)
+    resolve_prefix_reuse(args, rollouts)
     fit = fit_to_memory(args, groups)
     check_token_budget(args, groups)
-    resolve_prefix_reuse(args, rollouts)
     policy = build_policy(args)
     reference = build_reference(args)
     start = load_checkpoint(args.load, policy) if args.load else 0

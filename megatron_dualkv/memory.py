@@ -467,21 +467,23 @@ class MemoryModel:
     def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
             recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
             layout: str = "packed", multiple: int = 1,
-            micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None) -> "Fit":
+            micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None, held_prompt_tokens: int = 0) -> "Fit":
         """The least recompute (``recompute`` None: the first of ``recompute_ladder``; else the one given)
         under which a micro-batch of ``min_tokens`` fits ``budget_bytes``, and the most tokens (a multiple
         of ``multiple``, at least ``min_tokens``) it fits. ``predicting_fraction``: the share of the tokens
         that predict a trained token. ``micro_batch``: when the tokens are the packed-token budget of
         ``plan_micro_batches`` rather than a micro-batch's tokens on ``layout`` (the launch script plans
         the replicated layout's micro-batches by packed tokens), the largest micro-batch that a budget
-        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ValueError when even the last setting
+        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ``held_prompt_tokens``: as in
+        ``predict`` (prefix reuse's longest held prompt). ValueError when even the last setting
         does not fit ``min_tokens``, naming the budget and that setting's peak.
         """
         ladder = self.recompute_ladder() if recompute is None else [(recompute, recompute_layers)]
         micro_batch = micro_batch or (lambda n: (n, int(n * predicting_fraction)))
 
         def fit_at(n: int, setting) -> Fit:
-            return self.fit_at(n, *setting, num_micro_batches=num_micro_batches, layout=layout, micro_batch=micro_batch)
+            return self.fit_at(n, *setting, num_micro_batches=num_micro_batches, layout=layout, micro_batch=micro_batch,
+                               held_prompt_tokens=held_prompt_tokens)
 
         for setting in ladder:
             if fit_at(min_tokens, setting).estimate.total <= budget_bytes:
@@ -497,11 +499,13 @@ class MemoryModel:
         )
 
     def fit_at(self, tokens: int, recompute: str, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
-               layout: str = "packed", micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None) -> "Fit":
+               layout: str = "packed", micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None,
+               held_prompt_tokens: int = 0) -> "Fit":
         """The ``Fit`` of one setting at ``tokens`` (``fit``'s arguments; ``micro_batch`` None: all rows
         predict), whether it fits or not: what a run with that setting is predicted to take."""
         layout_tokens, rows = (tokens, tokens) if micro_batch is None else micro_batch(tokens)
-        estimate = self.peak(layout_tokens, rows, recompute, recompute_layers, num_micro_batches, layout=layout)
+        estimate = self.peak(layout_tokens, rows, recompute, recompute_layers, num_micro_batches, layout=layout,
+                             held_prompt_tokens=held_prompt_tokens)
         return Fit(recompute, recompute_layers, tokens, estimate, layout, layout_tokens)
 
     @staticmethod

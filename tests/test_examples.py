@@ -908,3 +908,27 @@ def test_attention_bench_baselines_use_the_layouts_mask(window):
     assert trees["d128-tree-agent"]["replicated_tokens"] == 8 * (4096 + 4 * 1024)
     assert trees["d128-tree-search"]["segments"] == 1 + 84
     assert trees["d128-tree-16x8192x1024"]["tokens"] == 8192 + 16 * 1024
+
+
+def test_prefix_reuse_on_names_what_is_in_the_way(script):
+    no_trajectories = SimpleNamespace(trajectories=None)
+    args = script.parse_args(["--prefix-reuse", "on", "--layout", "replicated"])
+    with pytest.raises(script.InputError, match=r"^--prefix-reuse on does not run with --layout replicated yet; "
+                                                r"use --prefix-reuse off$"):
+        script.resolve_prefix_reuse(args, no_trajectories)
+    for flags, want in ((["--layout", "replicated"], False), ([], True), (["--prefix-reuse", "off"], False)):
+        args = script.parse_args(flags)
+        script.resolve_prefix_reuse(args, no_trajectories)
+        assert args.prefix_reuse is want, flags
+
+
+def test_memory_fit_counts_the_held_prompt(script):
+    """With prefix reuse a group over --max-tokens holds its prompt: the memory model counts it."""
+    group = RolloutGroup([1] * 16384, [[2] * 2048] * 16, rewards=[0.0] * 16)
+    for reuse, held in (("auto", 16384), ("off", 0)):
+        args = script.parse_args(["--model", "qwen3-4b", "--recompute", "selective", "--max-tokens", "20000",
+                                  "--prefix-reuse", reuse])
+        script.resolve_prefix_reuse(args, SimpleNamespace(trajectories=None))
+        fit = script.fit_within(args, [group], 1e15)
+        want = MemoryModel.for_card("qwen3-4b").held_prompt_bytes(held, "selective")
+        assert fit.estimate.parts.get("held prompt", 0) == want and (want > 0) == (reuse == "auto")
