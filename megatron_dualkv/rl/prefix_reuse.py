@@ -118,6 +118,8 @@ class _AfterLastPart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # the engine's hook for work after the whole backward call (torch's DDP reduces there):
+        # by then every part's gradient of the held tensors is in their .grad
         torch.autograd.Variable._execution_engine.queue_callback(ctx.held.backward)
         return None, grad
 
