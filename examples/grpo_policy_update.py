@@ -466,7 +466,7 @@ def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts) -> None:
     on where it does not is an error naming what is in the way."""
     unsupported = [what for bad, what in (
         (args.layout != "packed", f"--layout {args.layout}"), (args.pp > 1, "--pp > 1"), (args.cp > 1, "--cp > 1"),
-        (args.tp > 1, "--tp > 1 (sequence parallelism)"), (_transformer_engine(args), "the Transformer Engine spec"),
+        (_transformer_engine(args), "the Transformer Engine spec"),
         (rollouts.trajectories is not None, "trajectory rollouts")) if bad]
     if args.prefix_reuse == "on" and unsupported:
         raise InputError(f"--prefix-reuse on does not run with {', '.join(unsupported)} yet; use --prefix-reuse off")

@@ -124,8 +124,10 @@ PARALLEL_RUNS = {
     "trees_gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2), trees=True),
     "trees_dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4), trees=True),
     # prefix reuse: every rank holds its heads' prompt K/V; the prompt's last hidden state's
-    # gradient is all-reduced over TP before the prompt's backward
+    # gradient, one vocabulary shard's share per rank, is summed over TP in the prompt's backward
+    # (all-gathered rows under SP, copied ones without)
     "reuse_dense_tp2": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=False), reuse=True),
+    "reuse_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), reuse=True),
 }
 REUSE_SHAPE, REUSE_PARTS = (13, [5, 1, 7, 3, 4]), [[0, 1], [2], [3, 4]]
 

@@ -25,8 +25,8 @@ recompute of the prompt's layers, which reruns ``_HeldKV`` in that backward, wor
 Losses: a part is a micro-batch of the plan like a sub-group (``planner``): its advantages come from
 the whole group (``RLMicroBatch.advantages``), its loss divides by the plan's ``loss_normalizer``.
 
-Not supported yet (a ValueError names the combination): pipeline and context parallelism,
-sequence parallelism, the replicated layout, DDP's overlapped gradient reduce, and core attention
+Not supported yet (a ValueError names the combination): pipeline and context parallelism, the
+replicated layout, DDP's overlapped gradient reduce, and core attention
 other than ``DualKVAttention``.
 """
 from __future__ import annotations
@@ -203,8 +203,11 @@ def prefix_reuse_part(prompt: SharedPrompt, index: int, group: RolloutGroup, pad
 def prefix_reuse_output(model, micro_batch, layout: str):
     """(the final hidden states of the stub's rows, the micro-batch with the stub as its batch):
     this part's model output after the prompt's held last hidden state, running the prompt's
-    forward first where this is its first part."""
-    from .logprobs import packed_output
+    forward first where this is its first part. The rows are every token's, with a backward that
+    sums the TP ranks' gradients (``logprobs.tensor_parallel_rows``): the loss takes them with
+    ``logprobs_from_output(..., all_tokens=True)``, and the prompt's backward starts from its
+    last row with the held copy's gradient, which holds this rank's vocabulary shard's share."""
+    from .logprobs import packed_output, tensor_parallel_rows
 
     part: PrefixReuseBatch = micro_batch.batch
     prompt = part.prompt
@@ -215,7 +218,7 @@ def prefix_reuse_output(model, micro_batch, layout: str):
     if held is None:
         raise ValueError(f"prefix reuse: part {part.index} runs before its prompt's first part (index 0); "
                          "give a group's parts in order, in one forward_backward call")
-    hidden = packed_output(model, part, held)
+    hidden = tensor_parallel_rows(model, packed_output(model, part, held))
     last = part.index == prompt.num_parts - 1
     first_row = _AfterLastPart.apply(held, held.last_hidden) if last and held.requires_grad else held.last_hidden
     if last and not held.requires_grad:
@@ -225,10 +228,10 @@ def prefix_reuse_output(model, micro_batch, layout: str):
 
 
 def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
-    from .logprobs import packed_output
+    from .logprobs import packed_output, tensor_parallel_rows
 
     held = HeldPrompt(len(prompt.tokens), torch.is_grad_enabled())
-    hidden = packed_output(model, prompt.batch, held)
+    hidden = tensor_parallel_rows(model, packed_output(model, prompt.batch, held))
     layers = get_attr_wrapped_model(model, "config").num_layers
     if len(held.kv) != layers:
         raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
@@ -241,12 +244,10 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
 
 def check_prefix_reuse_supported(model, layout: str) -> None:
     """ValueError naming what prefix reuse does not run with yet."""
-    config = get_attr_wrapped_model(model, "config")
     unsupported = [
         (layout != "packed", f"the {layout} layout"),
         (parallel_state.get_pipeline_model_parallel_world_size() > 1, "pipeline parallelism"),
         (parallel_state.get_context_parallel_world_size() > 1, "context parallelism"),
-        (config.sequence_parallel, "sequence parallelism"),
         (getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False),
          "DDP's overlap_grad_reduce (its buckets would reduce before the prompt's backward)"),
     ]

@@ -88,11 +88,12 @@ def rl_forward_step(loss_fn: Optional[PolicyLoss] = None, layout: str = "packed"
 
     def forward_step(data_iterator: Iterator[RLMicroBatch], model):
         micro_batch = _checked(next(data_iterator))
-        if isinstance(micro_batch.batch, PrefixReuseBatch):
+        reuse = isinstance(micro_batch.batch, PrefixReuseBatch)
+        if reuse:
             output, micro_batch = prefix_reuse_output(model, micro_batch, layout)
         else:
             output = model_output(model, micro_batch.batch, layout)
-        return output, partial(_policy_loss, model, micro_batch, layout, loss_fn, with_entropy)
+        return output, partial(_policy_loss, model, micro_batch, layout, loss_fn, with_entropy, reuse)
 
     return forward_step
 
@@ -241,9 +242,10 @@ def _checked(micro_batch) -> RLMicroBatch:
     return micro_batch
 
 
-def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, hidden: Tensor):
+def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, all_tokens: bool,
+                 hidden: Tensor):
     tokens = ResponseTokens.of(micro_batch.batch, hidden.device)
-    logprobs, entropy = logprobs_from_output(model, micro_batch.batch, hidden, layout, with_entropy)
+    logprobs, entropy = logprobs_from_output(model, micro_batch.batch, hidden, layout, with_entropy, all_tokens)
     output = RLStepOutput(logprobs=tokens.split(logprobs.detach()))
     if entropy is not None:
         output.entropy = tokens.split(entropy.detach())
