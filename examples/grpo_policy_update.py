@@ -249,7 +249,7 @@ from megatron_dualkv.models import (  # noqa: E402
     ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
     weights_only,
 )
-from megatron_dualkv.models.builder import param_dtype  # noqa: E402
+from megatron_dualkv.models.builder import family_of, param_dtype  # noqa: E402
 from megatron_dualkv.rl import (  # noqa: E402
     DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, PrefixReuseBatch, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only,
     plan_mini_batches, ppo_updates,
@@ -351,10 +351,13 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = max(1, world // sizes.model_ranks)
-    memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
-                                  dp=dp, distributed_optimizer=args.use_distributed_optimizer,
-                                  ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
-                                  fp8=args.fp8 != "off")
+    try:
+        memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
+                                      dp=dp, distributed_optimizer=args.use_distributed_optimizer,
+                                      ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
+                                      fp8=args.fp8 != "off")
+    except NotImplementedError as err:
+        raise InputError(f"--recompute auto / --max-tokens auto: {err}") from None
     whole, longest, responses = packed_sizes(groups)
     replicated, multiple = args.layout == "replicated", micro_batch_token_multiple(sizes, args.fp8 != "off")
     if replicated:
@@ -461,13 +464,16 @@ def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
             predicted / sum(batch.num_tokens for batch in batches))
 
 
-def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts) -> None:
+def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts, card: ModelCard) -> None:
     """--prefix-reuse as a bool in ``args``: auto is on where prefix reuse runs (``rl.prefix_reuse``),
     on where it does not is an error naming what is in the way."""
+    # a Gated DeltaNet layer hands its responses a recurrent state, which prefix reuse does not hold
+    layer_types = family_of(card).transformer_config_kwargs(card).get("layer_types", ())
     unsupported = [what for bad, what in (
         (args.layout != "packed", f"--layout {args.layout}"), (args.pp > 1, "--pp > 1"), (args.cp > 1, "--cp > 1"),
         (_transformer_engine(args), "the Transformer Engine spec"),
-        (rollouts.trajectories is not None, "trajectory rollouts")) if bad]
+        (rollouts.trajectories is not None, "trajectory rollouts"),
+        ("linear_attention" in layer_types, "Gated DeltaNet layers")) if bad]
     if args.prefix_reuse == "on" and unsupported:
         raise InputError(f"--prefix-reuse on does not run with {', '.join(unsupported)} yet; use --prefix-reuse off")
     args.prefix_reuse = args.prefix_reuse != "off" and not unsupported
@@ -564,7 +570,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict:
 def _transformer_engine(args: argparse.Namespace) -> bool:
     """Whether the run builds the Transformer Engine spec (--transformer-engine, checked)."""
     try:
-        return layer_spec(args)[0]
+        return layer_spec(args, model_card(args))[0]
     except (ImportError, ValueError) as err:
         raise InputError(f"--transformer-engine {args.transformer_engine}: {err}") from None
 
@@ -1008,7 +1014,7 @@ def train(args: argparse.Namespace) -> None:
     card = model_card(args)
     rollouts = read_run_rollouts(args, card.config["vocab_size"])
     groups = file_groups(rollouts)
-    resolve_prefix_reuse(args, rollouts)
+    resolve_prefix_reuse(args, rollouts, card)
     fit = fit_to_memory(args, groups)
     check_token_budget(args, groups)
     policy = build_policy(args)

@@ -60,14 +60,17 @@ def spec_kwargs(args: argparse.Namespace) -> dict:
     return {"use_transformer_engine": TRANSFORMER_ENGINE[args.transformer_engine], "fp8": fp8}
 
 
-def layer_spec(args: argparse.Namespace) -> Tuple[bool, Optional[str]]:
+def layer_spec(args: argparse.Namespace, card=None) -> Tuple[bool, Optional[str]]:
     """(whether the run builds the Transformer Engine spec, its FP8 format or None), from the flags of
-    ``add_layer_spec_flags``, resolved as ``build_model`` resolves them: ImportError or ValueError
-    where --transformer-engine on cannot run here."""
-    from .models.builder import uses_transformer_engine  # Megatron-Core: imported once the flags are checked
+    ``add_layer_spec_flags``, resolved as ``build_model`` resolves them for ``card`` (a family without
+    a TE spec builds the local one): ImportError or ValueError where --transformer-engine on cannot
+    run here."""
+    from .models.builder import family_of, uses_transformer_engine  # Megatron-Core: once the flags are checked
+    from .models.cards import load_card
 
     kwargs = spec_kwargs(args)
-    return uses_transformer_engine(kwargs["use_transformer_engine"]), kwargs["fp8"]
+    family = None if card is None else family_of(load_card(card))
+    return uses_transformer_engine(kwargs["use_transformer_engine"], family), kwargs["fp8"]
 
 
 def spec_label(transformer_engine: bool, fp8: Optional[str]) -> str:

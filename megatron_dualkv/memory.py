@@ -327,6 +327,13 @@ class MemoryModel:
         return cls(config, vocab_size, bool(kwargs.get("share_embeddings_and_output_weights")), sizes, dp,
                    distributed_optimizer, ref_model, transformer_engine, fp8)
 
+    def __post_init__(self):
+        if "linear_attention" in getattr(self.config, "layer_types", ()):
+            raise NotImplementedError(
+                "the memory model does not count Gated DeltaNet layers yet (what they keep depends on the chunked "
+                "kernel, which has not run here): choose the recompute and the token budget yourself "
+                "(--recompute, --max-tokens)")
+
     # ---------------------------------------------------------------- static
     def static_parts(self, pp_rank: int = 0) -> Dict[str, float]:
         """Weights, fp32 gradient buffer, optimizer state (fp32 main weights for 16-bit models, Adam's

@@ -81,10 +81,11 @@ class CostModel:
     per attention (query, key) pair (both summed over layers); ``output_flops`` of ``token_flops`` are
     the output layer's, which runs only on the rows that predict a trained token.
 
-    Counted: the matmuls (QKV and output projections, MLP or routed and shared experts with the
-    router, the output layer) and attention's two matmuls, 4 * heads * head_dim per pair; not
-    counted: norms, RoPE, softmax, embeddings lookups. Sliding windows are ignored (full causal
-    pairs). A training step (forward + backward) is 3x the forward.
+    Counted: the matmuls (QKV and output projections, the output gate's rows, MLP or routed and
+    shared experts with the router, the output layer) and attention's two matmuls, 4 * heads *
+    head_dim per pair; a Gated DeltaNet layer's cost is per token (``gated_delta_net_token_flops``),
+    it has no pairs. Not counted: norms, RoPE, softmax, embeddings lookups. Sliding windows are
+    ignored (full causal pairs). A training step (forward + backward) is 3x the forward.
     """
 
     token_flops: float
@@ -97,7 +98,8 @@ class CostModel:
         h, d = config.hidden_size, config.kv_channels
         heads, kv_heads = config.num_attention_heads, config.num_query_groups
         mlp_matrices = 3 if config.gated_linear_unit else 2
-        attention = 2 * h * d * (2 * heads + 2 * kv_heads)
+        gates = heads if getattr(config, "attention_output_gate", False) else 0
+        attention = 2 * h * d * (2 * heads + gates + 2 * kv_heads)
         dense_mlp = 2 * h * config.ffn_hidden_size * mlp_matrices
         moe_layers = sum(moe_layer_flags(config))
         if moe_layers:
@@ -106,9 +108,12 @@ class CostModel:
         else:
             moe_mlp = 0
         layers = config.num_layers
+        linear_layers = list(getattr(config, "layer_types", ())).count("linear_attention")
+        mixers = (layers - linear_layers) * attention + linear_layers * gated_delta_net_token_flops(config)
         output = 2 * h * vocab_size
-        token_flops = layers * attention + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp + output
-        return cls(token_flops=float(token_flops), pair_flops=float(layers * 4 * heads * d), output_flops=float(output))
+        token_flops = mixers + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp + output
+        pair_flops = (layers - linear_layers) * 4 * heads * d
+        return cls(token_flops=float(token_flops), pair_flops=float(pair_flops), output_flops=float(output))
 
     @property
     def attention_weight(self) -> float:
@@ -126,6 +131,18 @@ class CostModel:
     def layer_flops(self, layout: PackedLayout, num_layers: int) -> float:
         """Forward FLOPs of one (average) decoder layer on ``layout``: what recomputing it costs."""
         return self.layout_flops(layout, predicting_rows=0) / num_layers
+
+
+def gated_delta_net_token_flops(config) -> int:
+    """Forward FLOPs per token of one Gated DeltaNet layer (``mcore.gated_delta_net``): its in and out
+    projections, the short convolution, and the recurrence per value head, counted as its matmuls
+    would be: the decay, k^T S, the rank-one update and the read-out q^T S, 8 Dk Dv. Linear in the
+    tokens: no attention pairs."""
+    h, width = config.hidden_size, config.linear_conv_kernel_dim
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    qk, v = key_heads * config.linear_key_head_dim, value_heads * config.linear_value_head_dim
+    projections = 2 * h * (2 * qk + 2 * v + 2 * value_heads) + 2 * v * h
+    return projections + 2 * (2 * qk + v) * width + 8 * value_heads * config.linear_key_head_dim * config.linear_value_head_dim
 
 
 def moe_layer_flags(config) -> List[int]:

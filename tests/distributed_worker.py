@@ -123,6 +123,10 @@ PARALLEL_RUNS = {
     "trees_moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), trees=True),
     "trees_gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2), trees=True),
     "trees_dense_pp2_vpp2": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4), trees=True),
+    # Qwen3.5: Gated DeltaNet heads split by tp (in_proj grouped per key head), its layers split by pp
+    # (two GDN layers on the first stage, a GDN and the full-attention layer on the second)
+    "hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True)),
+    "hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2)),
     # prefix reuse: every rank holds its heads' prompt K/V; the prompt's last hidden state's
     # gradient, one vocabulary shard's share per rank, is summed over TP in the prompt's backward
     # (all-gathered rows under SP, copied ones without)
@@ -130,6 +134,7 @@ PARALLEL_RUNS = {
     "reuse_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), reuse=True),
 }
 REUSE_SHAPE, REUSE_PARTS = (13, [5, 1, 7, 3, 4]), [[0, 1], [2], [3, 4]]
+
 
 def random_tree_shapes(seed: int, groups: range, depth: int = 5, branching: int = 4) -> list:
     """Seeded random trees in TREE_SHAPES' form, one per group: up to ``depth`` segments on a path and

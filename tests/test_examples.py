@@ -915,10 +915,14 @@ def test_prefix_reuse_on_names_what_is_in_the_way(script):
     args = script.parse_args(["--prefix-reuse", "on", "--layout", "replicated"])
     with pytest.raises(script.InputError, match=r"^--prefix-reuse on does not run with --layout replicated yet; "
                                                 r"use --prefix-reuse off$"):
-        script.resolve_prefix_reuse(args, no_trajectories)
-    for flags, want in ((["--layout", "replicated"], False), ([], True), (["--prefix-reuse", "off"], False)):
+        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
+    args = script.parse_args(["--prefix-reuse", "on", "--model", "qwen3_5-tiny"])
+    with pytest.raises(script.InputError, match=r"^--prefix-reuse on does not run with Gated DeltaNet layers yet"):
+        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
+    for flags, want in ((["--layout", "replicated"], False), ([], True), (["--prefix-reuse", "off"], False),
+                        (["--model", "qwen3_5-tiny"], False)):
         args = script.parse_args(flags)
-        script.resolve_prefix_reuse(args, no_trajectories)
+        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
         assert args.prefix_reuse is want, flags
 
 
@@ -928,7 +932,7 @@ def test_memory_fit_counts_the_held_prompt(script):
     for reuse, held in (("auto", 16384), ("off", 0)):
         args = script.parse_args(["--model", "qwen3-4b", "--recompute", "selective", "--max-tokens", "20000",
                                   "--prefix-reuse", reuse])
-        script.resolve_prefix_reuse(args, SimpleNamespace(trajectories=None))
+        script.resolve_prefix_reuse(args, SimpleNamespace(trajectories=None), script.model_card(args))
         fit = script.fit_within(args, [group], 1e15)
         want = MemoryModel.for_card("qwen3-4b").held_prompt_bytes(held, "selective")
         assert fit.estimate.parts.get("held prompt", 0) == want and (want > 0) == (reuse == "auto")

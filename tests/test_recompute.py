@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron_dualkv.mcore import transformer_engine_available
 from megatron_dualkv.mcore.recompute import RECOMPUTE_MODES, checkpoint_without_output, recompute_config_kwargs
-from megatron_dualkv.models import build_model
+from megatron_dualkv.models import build_model, load_card
 from megatron_dualkv.models.builder import _BLOCK_RECOMPUTE_PASSES_PADDING
 from megatron_dualkv.rl import GRPOLoss, forward_backward
 from megatron_dualkv.rl.logprobs import response_logprobs
@@ -23,7 +23,7 @@ from saved_tensors import saved_tensors
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="float32 on CPU; GPU: tests/test_recompute_gpu.py")
 
-CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny"]
+CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny"]
 MODES = [("selective", None), ("selective", 1), ("full", None), ("full", 1)]
 SHAPES = [
     [(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1])],
@@ -138,8 +138,14 @@ def _attention_config(config, layer_number: int):
     return config.for_layer(layer_number) if hasattr(config, "for_layer") else config
 
 
+def _is_linear_attention(config, layer_number: int) -> bool:
+    """A Gated DeltaNet layer (Qwen3.5): no q to rotate."""
+    return hasattr(config, "is_linear_attention") and config.is_linear_attention(layer_number)
+
+
 def expected_release(config, num_tokens: int, layer_numbers) -> int:
-    """float32 bytes of the norm outputs (2 per layer), the rotated q and MLP activations of these layers.
+    """float32 bytes of the norm outputs (2 per layer), the rotated q (attention layers) and MLP
+    activations of these layers.
 
     Of the rotated q and k only q: the CPU's attention (Megatron's DotProductAttention, the reference
     DualKV attention) saves a repeat_interleave'd copy of k for GQA, not k."""
@@ -147,7 +153,8 @@ def expected_release(config, num_tokens: int, layer_numbers) -> int:
         activations = num_tokens * config.moe_router_topk * config.moe_ffn_hidden_size  # each token routed topk times
     else:
         activations = num_tokens * config.ffn_hidden_size
-    rotated_queries = sum(config.num_attention_heads * _attention_config(config, n).kv_channels for n in layer_numbers)
+    rotated_queries = sum(config.num_attention_heads * _attention_config(config, n).kv_channels for n in layer_numbers
+                          if not _is_linear_attention(config, n))
     return 4 * (len(layer_numbers) * (2 * num_tokens * config.hidden_size + activations) + num_tokens * rotated_queries)
 
 
@@ -172,7 +179,7 @@ def test_selective_recompute_frees_the_norm_outputs_and_activations(card):
     assert measured["full", None].kept < measured["full", 1].kept < none.kept
 
 
-def qk_norm_rope_release(config, num_tokens: int) -> tuple:
+def qk_norm_rope_release(config, num_tokens: int, rotary_fraction: float = 1.0) -> tuple:
     """float32 bytes (kept, released) that recompute_qk_norm_rope frees in every layer, on the CPU.
 
     Kept no more: the q norm's input where the query reshape copies it (more than one key/value
@@ -180,15 +187,19 @@ def qk_norm_rope_release(config, num_tokens: int) -> tuple:
     k, the q/k norms' statistics and their normalised input: the CPU's unfused RMSNorm (torch's, and
     Gemma's reference one) saves it for the weight's gradient, and the zero-centred (Gemma 3) norm
     its ``1 + w``; fused GPU norms save neither. Released: the rotated q, which the CPU's attention
-    saves as a view (of k it saves a copy, so the rotated k was never kept there).
+    saves as a view (of k it saves a copy, so the rotated k was never kept there). Attention layers
+    only; rotary_fraction: the share of a head that RoPE rotates (cos and sin are that wide).
     """
     kept = released = 0
     for number in range(1, config.num_layers + 1):
+        if _is_linear_attention(config, number):
+            continue
         layer = _attention_config(config, number)
         heads, groups, d = layer.num_attention_heads, layer.num_query_groups, layer.kv_channels
         query_copy = heads * d if groups > 1 else 0
         normed = (heads + groups) * (d + 1)  # normalised input and statistics
-        kept += 4 * num_tokens * (query_copy + 4 * d + normed) + (8 * d if config.layernorm_zero_centered_gamma else 0)
+        rope = 4 * int(d * rotary_fraction)
+        kept += 4 * num_tokens * (query_copy + rope + normed) + (8 * d if config.layernorm_zero_centered_gamma else 0)
         released += 4 * num_tokens * heads * d
     return kept, released
 
@@ -202,7 +213,8 @@ def test_selective_recompute_frees_the_qk_norm_and_rope_tensors(card):
         model = build_model(card, **{**recompute_config_kwargs("selective"), "recompute_qk_norm_rope": qk_norm_rope})
         model.load_state_dict(ref_model.state_dict())
         measured[qk_norm_rope] = saved_tensors(model, batch)
-    kept, released = qk_norm_rope_release(ref_model.config, batch.num_tokens)
+    rope = load_card(card).config.get("rope_parameters") or {}
+    kept, released = qk_norm_rope_release(ref_model.config, batch.num_tokens, rope.get("partial_rotary_factor", 1.0))
     assert measured[True].released - measured[False].released == released
     assert measured[False].kept - measured[True].kept == kept + released
     assert not any(name.endswith(("q_layernorm", "k_layernorm")) for name in measured[True].by_module)
@@ -249,8 +261,6 @@ def test_megatron_module_recompute_runs_without_transformer_engine(card, module)
     (dict(recompute="none", recompute_layers=1), "needs recompute='selective' or 'full'"),
     (dict(recompute="selective", recompute_granularity="full"), "do not also pass recompute_granularity"),
     (dict(recompute="full", recompute_norms=True), "do not also pass recompute_norms"),
-    (dict(recompute="selective", attention_output_gate=True),
-     "recompute_qk_norm_rope: the attention runs without attention_output_gate"),
     (dict(recompute="selective", normalization="LayerNorm"), "recompute_norms: layer 1's input_layernorm is a Layer"),
     (dict(recompute_norms=True, normalization="LayerNorm"), "recompute_norms: layer 1's input_layernorm"),
     (dict(recompute_activations=True, bias_activation_fusion=True, activation_func=F.gelu, add_bias_linear=True),

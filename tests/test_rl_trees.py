@@ -3,8 +3,9 @@ alone (the replicated layout computed independently: a plain causal forward of t
 trajectory, its full logits, a float64 log-softmax, and the GRPO/DAPO loss written trajectory by
 trajectory in test_rl_losses.direct_loss): per-trajectory log-probs and entropies, the losses and
 every parameter gradient, on hypothesis-fuzzed trees (depth up to 5, branching up to 4, one-token
-segments, trajectories ending inside the tree, several groups), for the dense, MoE and Gemma
-(sliding window along path positions) tiny models; the library's own replicated layout; bad input."""
+segments, trajectories ending inside the tree, several groups), for the dense, MoE, Gemma
+(sliding window along path positions) and Qwen3.5 (Gated DeltaNet: each segment from its
+parent's state) tiny models; the library's own replicated layout; bad input."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,7 +25,7 @@ LOSSES = {"grpo-kl": GRPOLoss(clip_eps=0.2, kl_coef=0.05), "dapo": DAPOLoss()}
 TREES = trajectory_sets(max_groups=3, max_depth=5, max_branching=4, max_segment=4, max_segments=9, grouped=True)
 
 
-@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny"])
+@pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "qwen3_5-tiny"])
 def model(request):
     # MoE: no load-balancing loss, whose token statistics differ between layouts (a shared prefix counts once)
     return build_model(request.param, moe_aux_loss_coeff=0.0)

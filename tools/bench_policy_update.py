@@ -394,7 +394,7 @@ class PolicyCache:
 def planning_models(card: str, args):
     """(memory model, cost model, memory budget) of a full-depth card on this device."""
     memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype],
-                                  transformer_engine=layer_spec(args)[0],
+                                  transformer_engine=layer_spec(args, card)[0],
                                   fp8=args.fp8 != "off")
     budget = device_budget(margin=args.memory_margin) if args.device == "cuda" else CPU_BUDGET_GIB * GIB
     return memory, CostModel.from_config(memory.config, memory.vocab_size), budget

@@ -51,7 +51,7 @@ from .recompute import RecomputableQueryKey, Release, checkpoint_without_output
 
 
 # Configurations whose Megatron forward rotates q and k other than after the split and norms.
-UNSPLIT_ROPE_FIELDS = ("fused_single_qkv_rope", "attention_output_gate")
+UNSPLIT_ROPE_FIELDS = ("fused_single_qkv_rope",)
 
 
 @dataclass
@@ -122,18 +122,31 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         if not self.rotating_query_key:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
-        query, key, value = self.unnormed_query_key_value(hidden_states)
+        if output_gate:
+            query, gate, key, value = self.gated_query_key_value(hidden_states)
+        else:
+            query, key, value = self.unnormed_query_key_value(hidden_states)
         (q_freqs, k_freqs), (q_cu_seqlens, k_cu_seqlens) = self._rope.freqs, self._rope.cu_seqlens
         query = self._for_attention(self.query_heads, self.q_layernorm, q_freqs, q_cu_seqlens, query)
         key = self._for_attention(_unchanged, self.k_layernorm, k_freqs, k_cu_seqlens, key)
-        return query, key, value
+        return (query, key, value, self.query_heads(gate)) if output_gate else (query, key, value)
 
     def unnormed_query_key_value(self, hidden_states: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """[sq, b, h] -> query [sq, b, ng, np/ng * hn], key and value [sq, b, ng, hn]: views of
         linear_qkv's output, split as Megatron splits it."""
         mixed_qkv, split_sizes = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
-        split = megatron_attention.SplitAlongDim  # Transformer Engine's, where Megatron found it
-        return split(mixed_qkv, 3, split_sizes) if split is not None else torch.split(mixed_qkv, split_sizes, dim=3)
+        return _split(mixed_qkv, split_sizes)
+
+    def gated_query_key_value(self, hidden_states: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """With ``attention_output_gate`` (Qwen3.5, Qwen3-Next): query and gate [sq, b, ng, np/ng * hn],
+        key and value [sq, b, ng, hn], each query group's rows as Megatron lays them out (its q
+        heads, their gates, its k, its v). Megatron's own split of this layout also norms and
+        rotates, so it is done here."""
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        groups, head_dim = self.num_query_groups_per_partition, self.hidden_size_per_attention_head
+        query_rows = self.num_attention_heads_per_partition // groups * head_dim
+        mixed_qkv = mixed_qkv.view(*mixed_qkv.shape[:2], groups, -1)
+        return _split(mixed_qkv, [query_rows, query_rows, head_dim, head_dim])
 
     def query_heads(self, query: Tensor) -> Tensor:
         """[sq, b, ng, np/ng * hn] -> [sq, b, np, hn], as Megatron's ``get_query_key_value_tensors``
@@ -188,6 +201,11 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         plain_rope = not (self.config.rotary_interleaved or self.config.multi_latent_attention)
         return (type(norm) is FusedRMSNorm and norm.weight is not None and norm.eps is not None and plain_rope
                 and freqs.size(-1) == x.size(-1))
+
+
+def _split(mixed_qkv: Tensor, sizes: List[int]) -> Tuple[Tensor, ...]:
+    split = megatron_attention.SplitAlongDim  # Transformer Engine's, where Megatron found it
+    return split(mixed_qkv, 3, sizes) if split is not None else torch.split(mixed_qkv, sizes, dim=3)
 
 
 def _normed(norm, x: Tensor) -> Tensor:

@@ -28,8 +28,9 @@ from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
 from .qwen3 import QWEN3, QWEN3_MOE
+from .qwen3_next import QWEN3_5
 
-FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4)}
+FAMILIES: Dict[str, ModelFamily] = {family.model_type: family for family in (QWEN3, QWEN3_MOE, GEMMA3, GEMMA4, QWEN3_5)}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Megatron-Core 0.16's block recompute calls the layers it does not recompute without the padding mask
@@ -130,7 +131,7 @@ def build_model(
     card = load_card(card)
     family = family_of(card)
     sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp, vpp=vpp, sp=sp)
-    use_transformer_engine = uses_transformer_engine(use_transformer_engine)
+    use_transformer_engine = uses_transformer_engine(use_transformer_engine, family)
     dtype = param_dtype(card, dtype)
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
@@ -139,6 +140,8 @@ def build_model(
     _refuse_te_only_recompute(overrides)
     refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
     config = build_transformer_config(card, family, sizes, dtype, use_transformer_engine, overrides)
+    if hasattr(config, "check_parallel_sizes"):  # a family's own limits (the hybrid models' GDN layers)
+        config.check_parallel_sizes(sizes)
     check_model_split(config, sizes)
     model_kwargs = family.gpt_model_kwargs(card)
     vocab_size = model_kwargs["vocab_size"]
@@ -150,11 +153,16 @@ def build_model(
     return chunks if sizes.vpp else chunks[0]
 
 
-def uses_transformer_engine(requested: Optional[bool]) -> bool:
+def uses_transformer_engine(requested: Optional[bool], family: Optional[ModelFamily] = None) -> bool:
     """Whether ``build_model(use_transformer_engine=requested)`` builds the TE spec: ``requested``,
-    checked (True needs transformer_engine and CUDA), or for None whether both are there."""
+    checked (True needs transformer_engine, CUDA and a family with a TE spec), or for None whether
+    all three are there."""
+    has_spec = family is None or family.transformer_engine_spec
     if requested is None:
-        return transformer_engine_available() and torch.cuda.is_available()
+        return has_spec and transformer_engine_available() and torch.cuda.is_available()
+    if requested and not has_spec:
+        raise ValueError(f"use_transformer_engine=True: model_type {family.model_type!r} has no Transformer Engine "
+                         "spec yet; build it with the local spec (use_transformer_engine=False or None)")
     if requested:
         require_transformer_engine("use_transformer_engine=True")
         if not torch.cuda.is_available():

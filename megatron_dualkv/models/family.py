@@ -136,6 +136,8 @@ class ModelFamily:
     # The names of the family's published safetensors files where they differ from transformers'
     # state dict (Qwen3-MoE files name experts one by one, transformers 5 fuses them in memory).
     hf_file_mapping: Optional[StateDictMappingFn] = None
+    # whether block_spec builds Transformer Engine layers; without, the default spec is the local one
+    transformer_engine_spec: bool = True
 
     def hf_state_dict_mapping(self, card: ModelCard, config: TransformerConfig) -> StateDictMapping:
         """Every tensor of the model of ``card`` (built with ``config``) under both names."""

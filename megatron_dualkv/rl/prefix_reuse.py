@@ -236,7 +236,7 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
     if len(held.kv) != layers:
         raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
                          "DualKVAttention as every layer's core attention (the local layer spec, not Transformer "
-                         "Engine's)")
+                         "Engine's; no Gated DeltaNet layers, whose prompt state is no K/V)")
     held.root = hidden[len(prompt.tokens) - 1 : len(prompt.tokens)]
     held.last_hidden = held.root.detach().requires_grad_(held.requires_grad)
     return held

@@ -1,0 +1,184 @@
+"""``DualKVGatedDeltaNet``: Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next) on the packed layout.
+
+A GDN layer is a recurrence: on a packed micro-batch ``[P][R1]..[RN]`` (or a prefix tree) every
+segment starts from its parent's final state, not from zero and not from the previous segment's.
+Two pieces carry state across a segment boundary, and both follow the layout's tree:
+
+* the short causal convolution (width K, 4) over q, k and v: a response's first K-1 tokens read
+  the last K-1 inputs of its path (``ops.causal_conv1d_reference``);
+* the gated delta rule: a response starts from its prompt's final state, per head a (Dk, Dv)
+  matrix (``ops.gated_delta_rule_reference``).
+
+Autograd through those gathers sums a shared state's gradient over its children. Without packed
+params (the replicated layout) each row of the batch is one sequence from zero state.
+
+The math is transformers' ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet``: q, k, v = SiLU(conv
+(x W_qkv)); q and k L2-normalised, each key head serving ``value_heads / key_heads`` value heads;
+beta = sigmoid(x W_b); the decay g = -exp(A_log) * softplus(x W_a + dt_bias); the output is
+RMSNorm(o) * w * SiLU(x W_z), then ``out_proj``.
+
+Why our own module and not Megatron's ``GatedDeltaNet``: Megatron's refuses packed sequences and
+imports fla at construction (no CPU), and it moved between megatron-core 0.16 and 0.19.
+
+Tensor parallelism splits heads: ``in_proj`` is one column-parallel linear whose rows are grouped
+per key head (its q and k rows, then the v, z, b and a rows of the value heads it serves), so a
+contiguous split by tp gives each rank whole key heads with their value heads; the conv channels,
+``A_log`` and ``dt_bias`` are split the same way, ``out_proj`` is row-parallel. The Hugging Face
+conversion reorders the rows (``models.qwen3_next``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
+from torch import Tensor
+
+from ..layout import PackedLayout, TreeLayout
+from ..ops.causal_conv1d import causal_conv1d_reference
+from ..ops.gated_delta_rule import gated_delta_rule_reference
+
+# transformers' l2norm and its epsilon (x / sqrt(sum x^2 + eps)), which fla uses too
+L2NORM_EPS = 1e-6
+# the parameters of the module itself that tensor parallelism splits along dim 0 (per value/conv channel)
+TP_SPLIT_PARAMETERS = {"conv_weight": 0, "A_log": 0, "dt_bias": 0}
+
+
+@dataclass
+class GatedDeltaNetSubmodules:
+    in_proj: Union[ModuleSpec, type] = None
+    out_proj: Union[ModuleSpec, type] = None
+
+
+class DualKVGatedDeltaNet(MegatronModule):
+    """A GDN token mixer in the place of a ``TransformerLayer``'s self-attention: [s, b, h] ->
+    ([s, b, h], None). Its sizes are the config's ``linear_*`` fields (transformers' names)."""
+
+    def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int = 1, pg_collection=None, **kwargs):
+        super().__init__(config)
+        self.layer_number = layer_number
+        tp = pg_collection.tp if pg_collection is not None else None
+        tp_size, tp_rank = (tp.size(), tp.rank()) if tp is not None else (1, 0)
+        key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if value_heads % key_heads:
+            raise ValueError(f"linear_num_value_heads ({value_heads}) must be a multiple of linear_num_key_heads ({key_heads})")
+        if key_heads % tp_size:
+            raise ValueError(f"linear_num_key_heads ({key_heads}) must split evenly over tensor parallelism {tp_size}")
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.values_per_key = value_heads // key_heads
+        self.local_key_heads = key_heads // tp_size
+        self.width = config.linear_conv_kernel_dim
+        group_rows = 2 * self.key_dim + 2 * self.values_per_key * (self.value_dim + 1)
+        self.in_proj = build_module(
+            submodules.in_proj, config.hidden_size, key_heads * group_rows, config=config,
+            init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
+            tp_comm_buffer_name="fc1", tp_group=tp,
+        )
+        local_values = self.local_key_heads * self.values_per_key
+        conv_channels = self.local_key_heads * self.conv_group_channels
+        dtype = config.params_dtype
+        self.conv_weight = torch.nn.Parameter(torch.empty(conv_channels, self.width, dtype=dtype))
+        self.A_log = torch.nn.Parameter(torch.empty(local_values, dtype=dtype))
+        self.dt_bias = torch.nn.Parameter(torch.ones(local_values, dtype=dtype))
+        for name in TP_SPLIT_PARAMETERS:
+            set_tensor_model_parallel_attributes(getattr(self, name), True, 0, 1)
+        with torch.no_grad():
+            # transformers' initialisation (conv as nn.Conv1d's default, A uniform in (0.01, 16)), drawn
+            # whole and sliced: the same seed gives the same full weights at any tp, as Megatron's
+            # linears initialised on the host
+            bound = self.width**-0.5
+            conv = torch.empty(key_heads * self.conv_group_channels, self.width).uniform_(-bound, bound)
+            a_log = torch.empty(value_heads).uniform_(0.01, 16).log()
+            self.conv_weight.copy_(conv.chunk(tp_size)[tp_rank])
+            self.A_log.copy_(a_log.chunk(tp_size)[tp_rank])
+        self.norm_weight = torch.nn.Parameter(torch.ones(self.value_dim, dtype=dtype))
+        self.norm_eps = config.layernorm_epsilon
+        self.tp_group = tp
+        self.out_proj = build_module(
+            submodules.out_proj, value_heads * self.value_dim, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True, skip_bias_add=True,
+            is_expert=False, tp_comm_buffer_name="proj", tp_group=tp,
+        )
+
+    @property
+    def conv_group_channels(self) -> int:
+        """Conv channels of one key head: its q and k, and the v of the value heads it serves."""
+        return 2 * self.key_dim + self.values_per_key * self.value_dim
+
+    def forward(self, hidden_states: Tensor, attention_mask=None, *args, packed_seq_params=None, **kwargs):
+        inference = any(kwargs.get(name) is not None for name in ("inference_context", "inference_params"))
+        if inference:
+            raise NotImplementedError("DualKVGatedDeltaNet: no inference (KV-cache) path; training and forward-only passes")
+        projected, _ = self.in_proj(hidden_states)  # [s, b, local key heads * group rows]
+        seq, batch = projected.shape[:2]
+        layout = _layout_of(packed_seq_params, seq, batch, projected.device)
+        tokens = projected.transpose(0, 1).reshape(seq * batch, self.local_key_heads, -1)
+        qkv, z, b, a = torch.split(
+            tokens, [self.conv_group_channels, self.values_per_key * self.value_dim, self.values_per_key,
+                     self.values_per_key], dim=-1)
+        qkv = causal_conv1d_reference(qkv.reshape(seq * batch, -1), self.conv_weight, layout, activation="silu")
+        q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
+                              [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
+        out = self._delta_rule(q, k, v, b, a, layout)  # [T, local value heads, Dv], float32
+        out = self._gated_norm(out, z.reshape(out.shape)).to(hidden_states.dtype)
+        out = out.view(batch, seq, -1).transpose(0, 1)
+        return self.out_proj(out)
+
+    def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, b: Tensor, a: Tensor, layout: PackedLayout) -> Tensor:
+        """In float32 as transformers computes it: each key head's q and k repeated for its value heads."""
+        tokens, repeat = q.shape[0], self.values_per_key
+        q, k = (_l2_normed(x.float()).repeat_interleave(repeat, dim=1) for x in (q, k))
+        v = v.float().reshape(tokens, -1, self.value_dim)
+        beta = b.float().sigmoid().reshape(tokens, -1)
+        decay = -self.A_log.float().exp() * F.softplus(a.float().reshape(tokens, -1) + self.dt_bias.float())
+        out, _ = gated_delta_rule_reference(q, k, v, decay, beta, layout)
+        return out
+
+    def _gated_norm(self, out: Tensor, gate: Tensor) -> Tensor:
+        """RMSNorm over each head's values, times ``norm_weight`` and SiLU of the gate, in float32.
+
+        Every head shares ``norm_weight`` and each tensor-parallel rank holds some heads: the weight
+        enters through Megatron's copy-to-TP-region, whose backward sums the ranks' gradients."""
+        weight = self.norm_weight if self.tp_group is None else copy_to_tensor_model_parallel_region(self.norm_weight,
+                                                                                                     self.tp_group)
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return normed * weight.float() * F.silu(gate.float())
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: Tuple = (), metadata: Optional[dict] = None,
+                           tp_group=None):
+        """Megatron's distributed checkpoint: the module's own tensors split along TP like its heads."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        own = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        sharded = make_sharded_tensors_for_checkpoint(own, prefix, TP_SPLIT_PARAMETERS, sharded_offsets,
+                                                      tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
+        for name, module in self.named_children():
+            sharded.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                      tp_group=tp_group))
+        return sharded
+
+
+def _l2_normed(x: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:
+    """The packed micro-batch's layout; without packed params each batch row is a sequence of its own."""
+    layout = getattr(packed_seq_params, "layout", None)
+    if layout is not None:
+        if batch != 1 or layout.total_tokens != seq:
+            raise ValueError(f"DualKVGatedDeltaNet: {seq} x {batch} hidden states for a layout of {layout.total_tokens} tokens")
+        return layout
+    if packed_seq_params is not None:
+        raise ValueError("DualKVGatedDeltaNet: packed params without a DualKV layout (DualKVPackedSeqParams.from_layout)")
+    return TreeLayout((seq,) * batch, (-1,) * batch, device=device)

@@ -1,0 +1,94 @@
+"""The Qwen3.5 hybrid family (``models.qwen3_next``, ``mcore.hybrid``, ``mcore.gated_delta_net``)
+beyond what the shared tests check for every family (test_hf_state_dicts: transformers' log-probs
+on the packed layout and the bitwise round trip; test_rl_trees: trees against each trajectory
+alone; test_recompute; test_parallel: tp and pp on gloo): the replicated layout against the
+packed one, the cost model's GDN count against the module's own weights, the launch script, and
+the clear errors."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dualkv.memory import MemoryModel
+from megatron_dualkv.models import ModelCard, build_model, load_card
+from megatron_dualkv.models.builder import FAMILIES, uses_transformer_engine
+from megatron_dualkv.planner import CostModel, gated_delta_net_token_flops
+from megatron_dualkv.rl import GRPOLoss, forward_backward
+from rollouts import rl_micro_batches
+from test_examples import ROOT, SCRIPT
+
+CARD = "qwen3_5-tiny"
+SHAPES = [[(6, [4, 1, 5]), (2, [3])]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(CARD)
+
+
+def _step(model, batches, layout):
+    model.zero_grad(set_to_none=True)
+    outputs = forward_backward(model, batches, GRPOLoss(clip_eps=0.2, kl_coef=0.05), layout=layout)
+    logprobs = torch.cat([lp for out in outputs for group in out.logprobs for lp in group])
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return logprobs, grads
+
+
+def test_the_replicated_layout_gives_the_packed_step(model):
+    """Replicated: each [P][R_i] a batch row from zero state (no packed params); packed: each
+    response from its prompt's conv tail and recurrent state. Log-probs and every gradient agree."""
+    batches = rl_micro_batches(model, SHAPES)
+    (packed_lp, packed), (replicated_lp, replicated) = _step(model, batches, "packed"), _step(model, batches, "replicated")
+    torch.testing.assert_close(replicated_lp, packed_lp, rtol=0, atol=2e-6)
+    assert packed.keys() == replicated.keys()
+    for name, grad in packed.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(replicated[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_cost_model_counts_a_gdn_layer_per_token(model):
+    """2 FLOPs a token per weight of every linear and of the conv (the modules' own tensors), the
+    recurrence's 8 Dk Dv per value head; attention pairs in the full-attention layer only."""
+    config, layers = model.config, model.decoder.layers
+    gdn = layers[0].self_attention
+
+    def matmul_flops(*modules):
+        return 2 * sum(p.numel() for m in modules for n, p in m.named_parameters() if n.endswith("weight") and p.dim() == 2)
+
+    recurrence = 8 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    assert gated_delta_net_token_flops(config) == matmul_flops(gdn) + recurrence  # in_proj, out_proj, the conv
+    kinds = config.layer_types
+    attention = matmul_flops(layers[kinds.index("full_attention")].self_attention)
+    expected = (kinds.count("linear_attention") * gated_delta_net_token_flops(config) + kinds.count("full_attention")
+                * attention + sum(matmul_flops(layer.mlp) for layer in layers) + matmul_flops(model.output_layer))
+    cost = CostModel.from_config(config, model.vocab_size)
+    assert cost.token_flops == expected
+    assert cost.pair_flops == kinds.count("full_attention") * 4 * config.num_attention_heads * config.kv_channels
+
+
+def test_the_launch_script_trains_the_tiny_card():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--model", CARD, "--steps", "1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"model {CARD}" in result.stdout and "| spec local |" in result.stdout and "step    1/1" in result.stdout
+
+
+def test_bad_settings_name_what_is_wrong():
+    card = load_card(CARD)
+    family = FAMILIES[card.model_type]
+    mamba = ModelCard("mamba-layer", {**card.config, "layer_types": ["linear_attention", "mamba", "linear_attention",
+                                                                      "full_attention"]})
+    with pytest.raises(ValueError, match=r"model card 'mamba-layer': unknown layer_types \['mamba'\]"):
+        build_model(mamba)
+    with pytest.raises(ValueError, match=r"context parallelism \(cp > 1\) is not supported with Gated DeltaNet layers"):
+        build_model(CARD, cp=2)
+    with pytest.raises(ValueError, match="model_type 'qwen3_5_text' has no Transformer Engine spec yet"):
+        uses_transformer_engine(True, family)
+    assert uses_transformer_engine(None, family) is False  # the local spec, with or without TE installed
+    with pytest.raises(NotImplementedError, match="does not count Gated DeltaNet layers yet.*--recompute, --max-tokens"):
+        MemoryModel.for_card(CARD)
+    uneven = ModelCard("uneven-gdn-heads", {**card.config, "linear_num_value_heads": 3})
+    with pytest.raises(ValueError, match=r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads \(2\)"):
+        build_model(uneven)
