@@ -185,3 +185,12 @@ def test_memory_model_counts_the_held_prompt(mode, rows):
     estimate = memory.predict(160, recompute=mode, held_prompt_tokens=100)
     assert estimate.parts["held prompt"] == rows * per_row
     assert estimate.total == memory.predict(160, recompute=mode).total + rows * per_row
+
+
+def test_gated_deltanet_layers_are_named():
+    """A Gated DeltaNet layer hands its responses a recurrent state, which prefix reuse does not hold."""
+    model = build_model("qwen3_5-tiny")
+    _, split = whole_and_parts(model, PARTS)
+    with pytest.raises(ValueError, match=r"1 of 4 layers held their prompt K/V; .*no Gated DeltaNet layers"):
+        forward_backward(model, split, GRPOLoss())
+    model.zero_grad(set_to_none=True)
