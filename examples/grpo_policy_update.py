@@ -45,6 +45,7 @@ update): a resumed run repeats no update and skips none.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import importlib.util
@@ -118,6 +119,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help="micro-batch token budget (packed tokens, on both layouts); auto: the most that fit the GPU "
                             "(packed: the whole largest group when --recompute is auto too, with the least recompute "
                             "that holds it)")
+    group.add_argument("--prefix-reuse", choices=["auto", "on", "off"], default="auto",
+                       help="a group over --max-tokens runs its prompt once for all its micro-batches (on), or in "
+                            "sub-groups that each carry it (off); auto: on where the run supports it")
     group = parser.add_argument_group("policy loss and updates")
     group.add_argument("--loss", choices=("dapo", "grpo"), default="grpo")
     group.add_argument("--mini-batches", type=int, default=1,
@@ -245,10 +249,10 @@ from megatron_dualkv.models import (  # noqa: E402
     ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
     weights_only,
 )
-from megatron_dualkv.models.builder import param_dtype  # noqa: E402
+from megatron_dualkv.models.builder import family_of, param_dtype  # noqa: E402
 from megatron_dualkv.rl import (  # noqa: E402
-    DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only, plan_mini_batches,
-    ppo_updates,
+    DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, PrefixReuseBatch, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only,
+    plan_mini_batches, ppo_updates,
 )
 from megatron_dualkv.run_log import RunLog  # noqa: E402
 
@@ -370,7 +374,8 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
             if replicated and args.recompute == args.max_tokens == AUTO:
                 fit = _largest_cheap_fit(memory, budget, need, multiple=multiple, **shape)
             else:
-                fit = memory.fit(budget, need, multiple=multiple, **setting, **shape)
+                fit = memory.fit(budget, need, multiple=multiple, **setting, **shape,
+                                 held_prompt_tokens=held_prompt(args, groups, need))
             break
         except ValueError as err:
             problem = err
@@ -379,7 +384,17 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     args.recompute, args.recompute_layers = fit.recompute, fit.recompute_layers
     if args.max_tokens == AUTO:
         args.max_tokens = fit.tokens
-    return memory.fit_at(args.max_tokens, fit.recompute, fit.recompute_layers, **shape)
+    return memory.fit_at(args.max_tokens, fit.recompute, fit.recompute_layers, **shape,
+                         held_prompt_tokens=held_prompt(args, groups, args.max_tokens))
+
+
+def held_prompt(args: argparse.Namespace, groups: List[Rollout], max_tokens: int) -> int:
+    """The longest prompt that prefix reuse holds with a budget of ``max_tokens`` (0: none; --prefix-reuse
+    as ``resolve_prefix_reuse`` leaves it, True where it runs)."""
+    if args.prefix_reuse is not True:
+        return 0
+    return max((len(g.prompt) for g in groups if isinstance(g, RolloutGroup)
+                and len(g.prompt) + sum(map(len, g.responses)) > max_tokens), default=0)
 
 
 def _largest_cheap_fit(memory: MemoryModel, budget: float, need: int, **shape) -> Fit:
@@ -418,7 +433,7 @@ def planned_micro_batches(args: argparse.Namespace, groups: List[Rollout], max_t
         rollouts = step_rollouts(groups, step_indices(len(groups), step, args.global_batch_size))
         no_advantages = torch.zeros(sum(len(rewards) for rewards in group_rewards(rollouts)))
         for mini in plan_mini_batches(rollouts, args.mini_batches, max_tokens, no_advantages, dp_size=dp_size,
-                                      attention_weight=attention_weight):
+                                      attention_weight=attention_weight, prefix_reuse=args.prefix_reuse is True):
             yield from (mb for rank in mini.plan.ranks for mb in rank)
 
 
@@ -447,6 +462,39 @@ def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
     predicted = sum(ResponseTokens.of(batch).num_predictions for batch in batches)
     return (max(batch.num_tokens for batch in batches), max(len(t.tokens) for g in groups for t in g),
             predicted / sum(batch.num_tokens for batch in batches))
+
+
+def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts, card: ModelCard) -> None:
+    """--prefix-reuse as a bool in ``args``: auto is on where prefix reuse runs (``rl.prefix_reuse``),
+    on where it does not is an error naming what is in the way."""
+    # a Gated DeltaNet layer hands its responses a recurrent state, which prefix reuse does not hold
+    layer_types = family_of(card).transformer_config_kwargs(card).get("layer_types", ())
+    unsupported = [what for bad, what in (
+        (args.layout != "packed", f"--layout {args.layout}"), (args.pp > 1, "--pp > 1"), (args.cp > 1, "--cp > 1"),
+        (_transformer_engine(args), "the Transformer Engine spec"),
+        (rollouts.trajectories is not None, "trajectory rollouts"),
+        ("linear_attention" in layer_types, "Gated DeltaNet layers")) if bad]
+    if args.prefix_reuse == "on" and unsupported:
+        raise InputError(f"--prefix-reuse on does not run with {', '.join(unsupported)} yet; use --prefix-reuse off")
+    args.prefix_reuse = args.prefix_reuse != "off" and not unsupported
+
+
+def plan_summary(args: argparse.Namespace, groups: List[Rollout], dp_size: int, attention_weight: float) -> str:
+    """What step 1's plan does with the groups over --max-tokens: none, prefix reuse or sub-groups."""
+    rollouts = step_rollouts(groups, step_indices(len(groups), 1, args.global_batch_size))
+    no_advantages = torch.zeros(sum(len(rewards) for rewards in group_rewards(rollouts)))
+    minis = plan_mini_batches(rollouts, args.mini_batches, args.max_tokens, no_advantages, dp_size=dp_size,
+                              attention_weight=attention_weight, prefix_reuse=args.prefix_reuse)
+    # a group in more than one micro-batch is split
+    counts = collections.Counter((j, g) for j, mini in enumerate(minis) for rank in mini.plan.ranks for mb in rank
+                                 for g in mb.source_groups)
+    split = [key for key, count in counts.items() if count > 1]
+    if not split:
+        return f"plan: every group in one micro-batch of at most {args.max_tokens:,} tokens"
+    how = "prefix reuse (its prompt runs once)" if args.prefix_reuse else "sub-groups (each carries its prompt)"
+    groups_over = f"{len(split)} group{'s' * (len(split) > 1)}"
+    return (f"plan: {groups_over} over --max-tokens {args.max_tokens:,} in {sum(counts[key] for key in split)} "
+            f"micro-batches, as {how}")
 
 
 def check_token_budget(args: argparse.Namespace, groups: List[Rollout]) -> None:
@@ -624,13 +672,15 @@ TOKEN_METRICS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "kl", "rol
 def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Trajectory]], loss_fn, max_tokens: int,
                        layout: str,
                        ppo: PPOSchedule = PPOSchedule(), reference=None,
-                       rollout_logprobs: Optional[List[List[torch.Tensor]]] = None) -> StepStats:
+                       rollout_logprobs: Optional[List[List[torch.Tensor]]] = None,
+                       prefix_reuse: bool = False) -> StepStats:
     """The ``ppo.mini_batches x ppo.epochs`` optimizer steps of ``loss_fn`` on the rollout batch
     ``groups`` (all DP ranks' rollouts; this rank runs its share): rollout groups, or trajectories
     whose ``group`` ids number their groups (``step_rollouts``).
 
     rollout_logprobs: the inference engine's, per group, per response: the behaviour log-probs
     (no forward pass) unless ``loss_fn.tis_cap`` is set, then beside them for its correction.
+    prefix_reuse: groups over ``max_tokens`` run their prompt once (--prefix-reuse).
     """
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     # Group-normalised advantages of whole groups: a group split over micro-batches or ranks
@@ -638,7 +688,8 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
     rewards = group_rewards(groups)
     advantages = loss_fn.advantages(rewards)
     minis = plan_mini_batches(groups, ppo.mini_batches, max_tokens, advantages, dp_size=dp_size, dp_rank=dp_rank,
-                              attention_weight=policy.cost.attention_weight, pad_to_multiple_of=policy.token_multiple)
+                              attention_weight=policy.cost.attention_weight, pad_to_multiple_of=policy.token_multiple,
+                              prefix_reuse=prefix_reuse)
     bypass = rollout_logprobs is not None and loss_fn.tis_cap is None
     # one update: the policy it updates is the behaviour policy, whose log-probs its own forward gives
     on_policy = not bypass and ppo.mini_batches == ppo.epochs == 1
@@ -717,7 +768,7 @@ def _metric_sums(micro_batches: Iterable[Tuple[RLMicroBatch, RLStepOutput]]) -> 
     for mb, out in micro_batches:
         if mb.is_padding:
             continue
-        lens = ResponseTokens.of(mb.batch, out.logprobs[0][0].device).lens.double()
+        lens = ResponseTokens.of(_loss_batch(mb.batch), out.logprobs[0][0].device).lens.double()
         zero = lens.new_zeros(())
         row = [zero if out.loss is None else out.loss.double()]
         for name in TOKEN_METRICS:
@@ -767,12 +818,21 @@ def _forward_flops(cost: CostModel, minis: List[MiniBatch], layout: str) -> floa
     the output layer on the rows that predict a trained token only, as the log-probs compute it (once
     per packed token that trajectories share, once per copy in the replicated layout)."""
     def flops(batch) -> float:
-        tokens = ResponseTokens.of(batch)
-        if layout == "packed":
-            return cost.layout_flops(batch.layout, predicting_rows=tokens.num_predictions)
-        return cost.layout_flops(batch.replicated().layout, predicting_rows=tokens.num_tokens)
+        tokens = ResponseTokens.of(_loss_batch(batch))
+        if layout != "packed":
+            return cost.layout_flops(batch.replicated().layout, predicting_rows=tokens.num_tokens)
+        # a prefix-reuse part: its responses (their pairs with the prompt included), and with the
+        # first part the prompt's forward, which predicts no row itself
+        prompt = (cost.layout_flops(batch.prompt.batch.layout, predicting_rows=0)
+                  if isinstance(batch, PrefixReuseBatch) and batch.index == 0 else 0.0)
+        return prompt + cost.layout_flops(batch.layout, predicting_rows=tokens.num_predictions)
 
     return sum(flops(mb.batch) for mini in minis for mb in mini.micro_batches if not mb.is_padding)
+
+
+def _loss_batch(batch):
+    """The batch whose responses the loss reads: a prefix-reuse part's stub (its prompt's last token)."""
+    return batch.stub if isinstance(batch, PrefixReuseBatch) else batch
 
 
 def _dp_sum(values: torch.Tensor) -> torch.Tensor:
@@ -955,6 +1015,7 @@ def train(args: argparse.Namespace) -> None:
     card = model_card(args)
     rollouts = read_run_rollouts(args, card.config["vocab_size"])
     groups = file_groups(rollouts)
+    resolve_prefix_reuse(args, rollouts, card)
     fit = fit_to_memory(args, groups)
     check_token_budget(args, groups)
     policy = build_policy(args)
@@ -977,6 +1038,8 @@ def train(args: argparse.Namespace) -> None:
               + (f" | reference {args.ref_load}" if reference is not None else "")
               + (f" | resumed at step {start}" if start else "")
               + ("" if peak is None else f" | peak {peak:.0f} TFLOP/s"), flush=True)
+        print(plan_summary(args, groups, parallel_state.get_data_parallel_world_size(), policy.cost.attention_weight),
+              flush=True)
         if fit is not None:
             print(f"memory: {fit.describe()}, within {device_budget(margin=args.memory_margin) / 2**30:.1f} GiB "
                   f"(the GPU less {100 * args.memory_margin:.0f}%)", flush=True)
@@ -988,7 +1051,7 @@ def train(args: argparse.Namespace) -> None:
         index = step_indices(len(groups), step, args.global_batch_size)
         stats = policy_update_step(
             policy, step_rollouts(groups, index), loss_fn, args.max_tokens, args.layout, ppo, reference,
-            None if rollouts.logprobs is None else [rollouts.logprobs[i] for i in index],
+            None if rollouts.logprobs is None else [rollouts.logprobs[i] for i in index], args.prefix_reuse,
         )
         policy.scheduler.step(1)
         if rank0:

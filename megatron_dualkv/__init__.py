@@ -1,7 +1,7 @@
 """megatron-dualkv: shared-prefix (DualKV) packing and attention for RL post-training on Megatron-Core:
 one prompt and its responses, or prefix trees of trajectories."""
-from .attention import dualkv_attn_func
-from .layout import DualKVLayout, PackedLayout, TreeLayout
+from .attention import dualkv_attn_func, dualkv_prefix_attn_func
+from .layout import DualKVLayout, PackedLayout, PrefixedLayout, TreeLayout
 from .packing import PackedBatch, ReplicatedBatch, RolloutGroup, pack_groups
 from .planner import CostModel, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches, trajectory_groups
 from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories
@@ -13,12 +13,14 @@ __all__ = [
     "PackedBatch",
     "PackedLayout",
     "PlannedMicroBatch",
+    "PrefixedLayout",
     "ReplicatedBatch",
     "RolloutGroup",
     "Trajectory",
     "TrajectoryBatch",
     "TreeLayout",
     "dualkv_attn_func",
+    "dualkv_prefix_attn_func",
     "pack_groups",
     "pack_trajectories",
     "plan_micro_batches",

@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from .layout import PackedLayout
+from .layout import PackedLayout, PrefixedLayout
 from .ops.checks import check_attention_inputs
-from .ops.reference import dualkv_attention_reference
+from .ops.reference import dualkv_attention_reference, dualkv_prefix_attention_reference
 
 # "auto": the fastest kernels on the device (the native sm_90 kernels where they apply, else
 # Triton), the float64-exact reference off GPU; "triton": the portable Triton kernels only
@@ -72,3 +72,34 @@ def dualkv_attn_func(
 
     return dualkv_attn_triton(q, k, v, layout, softmax_scale, window_size, softcap, deterministic,
                               native=backend == "auto")
+
+
+def dualkv_prefix_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    layout: PrefixedLayout,
+    softmax_scale: Optional[float] = None,
+    window_size: Optional[int] = None,
+    softcap: Optional[float] = None,
+    deterministic: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """DualKV attention of the responses of ``layout`` against their groups' prompts held apart.
+
+    q: (T, Hq, D), k/v: (T, Hkv, D) the micro-batch's response tokens (``layout`` order);
+    prefix_k/v: (sum(layout.prefix_lens), Hkv, D), the groups' prompt K/V one after the other, as
+    the prompts' own forward produced them (after norm and RoPE) -> (T, Hq, D). Hq a multiple of
+    Hkv. Differentiable in all five tensors: the prefix gradients are what a prompt held for several
+    micro-batches accumulates. ``window_size``, ``softcap``, ``deterministic`` and ``backend`` as in
+    ``dualkv_attn_func``.
+    """
+    if resolve_backend(backend, q.device) == "reference":
+        return dualkv_prefix_attention_reference(q, k, v, prefix_k, prefix_v, layout, softmax_scale, window_size,
+                                                 softcap)
+    from .ops.dualkv_prefix_attn import dualkv_prefix_attn_triton
+
+    return dualkv_prefix_attn_triton(q, k, v, prefix_k, prefix_v, layout, softmax_scale, window_size, softcap,
+                                     deterministic)

@@ -71,8 +71,11 @@ class PackedLayout:
 
     device: torch.device
 
-    def _build(self, segment_lens: Sequence[int], segment_parent: Sequence[int], what: str) -> None:
-        """Nodes and tensors of segments (padding included) given in DFS order, parents already checked."""
+    def _build(self, segment_lens: Sequence[int], segment_parent: Sequence[int], what: str,
+               root_positions: Optional[Sequence[int]] = None) -> None:
+        """Nodes and tensors of segments (padding included) given in DFS order, parents already checked.
+        ``root_positions``: per segment, where a root starts (default 0; ``PrefixedLayout``'s roots
+        continue after a prefix held outside the micro-batch)."""
         total = sum(segment_lens)
         if total > INT32_MAX:
             raise ValueError(
@@ -88,7 +91,8 @@ class PackedLayout:
         nodes = []
         for s, (start, length, parent) in enumerate(zip(starts, segment_lens, segment_parent)):
             if parent < 0:
-                nodes.append(SegmentNode(start, length, 0, -1, (), ends[s], start))
+                position = root_positions[s] if root_positions is not None else 0
+                nodes.append(SegmentNode(start, length, position, -1, (), ends[s], start))
             else:
                 p = nodes[parent]
                 nodes.append(SegmentNode(start, length, p.position + p.length, parent,
@@ -321,6 +325,76 @@ class TreeLayout(PackedLayout):
 
     def __repr__(self) -> str:
         return (f"TreeLayout(segments={self.num_segments}, depth={self.max_depth}, tokens={self.total_tokens}, "
+                f"pad={self.pad_len}, device={self.device})")
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixedLayout(PackedLayout):
+    """Responses whose prompts are held outside the micro-batch (prefix reuse, ``rl.prefix_reuse``).
+
+    Python metadata (tuples, device-free):
+        prefix_lens:   (G,) prompt length of each group; the prompts' K/V are one separate
+                       ``(sum(prefix_lens), Hkv, D)`` operand, group by group
+        response_lens: (G,) tuple of the response lengths of each group (at least one each)
+        pad_len:       trailing padding tokens (0 for none)
+
+    The packed tokens are the responses only, group by group, then padding. Every response is a
+    root segment starting at logical position ``prefix_lens[g]`` (as in the group's
+    ``DualKVLayout``), so RoPE and windows see the positions of the whole group; within the
+    micro-batch a response attends to itself causally, and to its group's prefix through the
+    separate operand (``ops.dualkv_prefix_attn``).
+    """
+
+    prefix_lens: Tuple[int, ...]
+    response_lens: Tuple[Tuple[int, ...], ...]
+    pad_len: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self):
+        object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
+        object.__setattr__(self, "response_lens", tuple(tuple(rs) for rs in self.response_lens))
+        _check_lengths(self.prefix_lens, self.response_lens, self.pad_len)
+        if any(not rs for rs in self.response_lens):
+            raise ValueError("PrefixedLayout: every group needs at least one response")
+        lens = [r for rs in self.response_lens for r in rs]
+        starts = [p for p, rs in zip(self.prefix_lens, self.response_lens) for _ in rs]
+        if self.pad_len:
+            lens, starts = lens + [self.pad_len], starts + [0]
+        self._build(lens, [-1] * len(lens), "PrefixedLayout", starts)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prefix_lens)
+
+    @cached_property
+    def prefix_starts(self) -> Tuple[int, ...]:
+        """Each group's first row in the prefix operand."""
+        return tuple(accumulate(self.prefix_lens, initial=0))[:-1]
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Rows of the prefix K/V operand."""
+        return sum(self.prefix_lens)
+
+    @cached_property
+    def token_group(self) -> torch.Tensor:
+        """(T,) int64: the group of each packed token, -1 on padding."""
+        groups = [torch.full((sum(rs),), g, dtype=torch.long) for g, rs in enumerate(self.response_lens)]
+        return torch.cat(groups + [torch.full((self.pad_len,), -1, dtype=torch.long)]).to(self.device)
+
+    def prefix_mask(self, window_size: Optional[int] = None) -> torch.Tensor:
+        """(T, sum(prefix_lens)) bool: which prefix keys each token sees (its group's whole prompt,
+        up to the window); O(T * prefix): for references and tests only."""
+        key_group = torch.repeat_interleave(torch.arange(self.num_groups, device=self.device),
+                                            torch.tensor(self.prefix_lens, device=self.device))
+        key_pos = torch.cat([torch.arange(p, device=self.device) for p in self.prefix_lens])
+        mask = self.token_group[:, None] == key_group[None, :]
+        if window_size is not None:
+            mask &= (self.position_ids[:, None] - key_pos[None, :]) < window_size
+        return mask
+
+    def __repr__(self) -> str:
+        return (f"PrefixedLayout(groups={self.num_groups}, prefix={self.prefix_tokens}, tokens={self.total_tokens}, "
                 f"pad={self.pad_len}, device={self.device})")
 
 

@@ -420,13 +420,33 @@ class MemoryModel:
             transient = max(transient, 2 * chunk * 4 + hidden + 4 * rows * config.hidden_size)
         return transient
 
+    def held_prompt_bytes(self, prompt_tokens: int, mode: str, recompute_layers: Optional[int] = None,
+                          pp_rank: int = 0) -> float:
+        """What prefix reuse (``rl.prefix_reuse``) keeps beside the activations while a group's parts
+        run: per layer, the gradients its parts accumulate for the held prompt K/V, and copies of
+        what the prompt's layer does not keep itself: its keys where selective recompute frees them
+        (``recompute_qk_norm_rope``), its keys and values where the layer is recomputed whole (else
+        the held K/V are views of what its attention keeps, counted in the activations)."""
+        config = self.config
+        element = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
+        kv_heads = max(1, config.num_query_groups // self.sizes.tp)
+        row = kv_heads * config.kv_channels * element * prompt_tokens
+        total = 0.0
+        for layers in chunk_layers(config, self.sizes, pp_rank):
+            for layer_mode in layer_modes(mode, recompute_layers, layers):
+                total += row * {"none": 2, "selective": 3, "full": 4}[layer_mode]
+        return total
+
     # ---------------------------------------------------------------- totals
     def predict(self, tokens: int, predicting_rows: Optional[int] = None, recompute: str = "none",
                 recompute_layers: Optional[int] = None, num_micro_batches: int = 1, pp_rank: int = 0,
-                layout: str = "packed") -> MemoryEstimate:
+                layout: str = "packed", held_prompt_tokens: int = 0) -> MemoryEstimate:
         """Peak of pipeline rank ``pp_rank`` when every micro-batch has ``tokens`` tokens (the packed
         count before the TP/CP split; replicated: the padded batch's tokens) of which
-        ``predicting_rows`` (default: all) predict a trained token."""
+        ``predicting_rows`` (default: all) predict a trained token. ``held_prompt_tokens``: the
+        longest prompt that prefix reuse holds (its part's ``tokens`` count it, as a sub-group's
+        would: its activations stay alive while the parts run), whose ``held_prompt_bytes`` add a
+        part "held prompt"."""
         _check_recompute(recompute, recompute_layers, self._min_chunk_layers())
         rows = tokens if predicting_rows is None else predicting_rows
         parts = dict(self.static_parts(pp_rank))
@@ -434,6 +454,8 @@ class MemoryModel:
         per_micro_batch = per_token * tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank)
         parts["activations"] = per_micro_batch * self.in_flight_micro_batches(num_micro_batches, pp_rank)
         parts["transient"] = self.transient_bytes(tokens, rows, recompute, recompute_layers, pp_rank, layout)
+        if held_prompt_tokens:
+            parts["held prompt"] = self.held_prompt_bytes(held_prompt_tokens, recompute, recompute_layers, pp_rank)
         return MemoryEstimate(parts)
 
     def peak(self, *args, **kwargs) -> MemoryEstimate:
@@ -452,21 +474,23 @@ class MemoryModel:
     def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
             recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
             layout: str = "packed", multiple: int = 1,
-            micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None) -> "Fit":
+            micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None, held_prompt_tokens: int = 0) -> "Fit":
         """The least recompute (``recompute`` None: the first of ``recompute_ladder``; else the one given)
         under which a micro-batch of ``min_tokens`` fits ``budget_bytes``, and the most tokens (a multiple
         of ``multiple``, at least ``min_tokens``) it fits. ``predicting_fraction``: the share of the tokens
         that predict a trained token. ``micro_batch``: when the tokens are the packed-token budget of
         ``plan_micro_batches`` rather than a micro-batch's tokens on ``layout`` (the launch script plans
         the replicated layout's micro-batches by packed tokens), the largest micro-batch that a budget
-        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ValueError when even the last setting
+        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ``held_prompt_tokens``: as in
+        ``predict`` (prefix reuse's longest held prompt). ValueError when even the last setting
         does not fit ``min_tokens``, naming the budget and that setting's peak.
         """
         ladder = self.recompute_ladder() if recompute is None else [(recompute, recompute_layers)]
         micro_batch = micro_batch or (lambda n: (n, int(n * predicting_fraction)))
 
         def fit_at(n: int, setting) -> Fit:
-            return self.fit_at(n, *setting, num_micro_batches=num_micro_batches, layout=layout, micro_batch=micro_batch)
+            return self.fit_at(n, *setting, num_micro_batches=num_micro_batches, layout=layout, micro_batch=micro_batch,
+                               held_prompt_tokens=held_prompt_tokens)
 
         for setting in ladder:
             if fit_at(min_tokens, setting).estimate.total <= budget_bytes:
@@ -482,11 +506,13 @@ class MemoryModel:
         )
 
     def fit_at(self, tokens: int, recompute: str, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
-               layout: str = "packed", micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None) -> "Fit":
+               layout: str = "packed", micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None,
+               held_prompt_tokens: int = 0) -> "Fit":
         """The ``Fit`` of one setting at ``tokens`` (``fit``'s arguments; ``micro_batch`` None: all rows
         predict), whether it fits or not: what a run with that setting is predicted to take."""
         layout_tokens, rows = (tokens, tokens) if micro_batch is None else micro_batch(tokens)
-        estimate = self.peak(layout_tokens, rows, recompute, recompute_layers, num_micro_batches, layout=layout)
+        estimate = self.peak(layout_tokens, rows, recompute, recompute_layers, num_micro_batches, layout=layout,
+                             held_prompt_tokens=held_prompt_tokens)
         return Fit(recompute, recompute_layers, tokens, estimate, layout, layout_tokens)
 
     @staticmethod

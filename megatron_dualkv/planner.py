@@ -62,7 +62,7 @@ accumulated gradient exactly that of the whole batch (``GRPOLoss(normalizer=...)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -162,6 +162,7 @@ class _Item:
     responses: Tuple[int, ...]
     tokens: int
     cost: float
+    reuse: bool = False  # a part of a group whose prompt runs once for all its parts (prefix reuse)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,9 @@ class PlannedMicroBatch:
                       before any padding)
     cost:             estimated cost (module docstring)
     trajectories:     the ``Trajectory`` s to pack, group by group; empty for rollout groups
+    shared_prompt:    prefix reuse (``plan_micro_batches(prefix_reuse=True)``): the one group's
+                      ``SharedPrompt``, which this rank's parts of it share; ``part`` is this one's
+                      index among them (they run in that order)
     """
 
     groups: Tuple[RolloutGroup, ...]
@@ -191,6 +195,8 @@ class PlannedMicroBatch:
     num_tokens: int
     cost: float
     trajectories: Tuple[Trajectory, ...] = ()
+    shared_prompt: Optional[object] = None
+    part: int = 0
 
     @property
     def is_padding(self) -> bool:
@@ -198,7 +204,12 @@ class PlannedMicroBatch:
 
     def pack(self, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> Union[PackedBatch, TrajectoryBatch]:
         """``pack_groups`` (``pack_trajectories``) of this micro-batch; a padding micro-batch packs
-        as one dummy group of ``pad_token_id`` (1-token prompt, 1-token response, reward 0)."""
+        as one dummy group of ``pad_token_id`` (1-token prompt, 1-token response, reward 0); a part
+        of a prefix-reuse group packs as its ``PrefixReuseBatch``."""
+        if self.shared_prompt is not None:
+            from .rl.prefix_reuse import prefix_reuse_part
+
+            return prefix_reuse_part(self.shared_prompt, self.part, self.groups[0], pad_to_multiple_of, pad_token_id)
         if self.trajectories:
             return pack_trajectories(self.trajectories, pad_to_multiple_of, pad_token_id)
         groups = self.groups or (RolloutGroup([pad_token_id], [[pad_token_id]], rewards=[0.0]),)
@@ -268,8 +279,16 @@ def plan_micro_batches(
     max_tokens: int,
     dp_size: int = 1,
     attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
+    prefix_reuse: bool = False,
 ) -> MicroBatchPlan:
     """Plan packed micro-batches of at most ``max_tokens`` tokens for ``dp_size`` data-parallel ranks.
+
+    prefix_reuse: a group over the budget is split into parts as into sub-groups, but each part is
+    a micro-batch of its own that runs against the prompt held from one forward on its rank
+    (``rl.prefix_reuse``), instead of carrying it: a rank computes the prompt once for all its
+    parts. A part counts the prompt in its tokens (its activations stay alive while the parts run,
+    as a sub-group's do in its micro-batch), and a rank runs its parts of a group one after the
+    other. Rollout groups only.
 
     groups: ``RolloutGroup`` s, or trajectories (``Trajectory`` s or a ``TrajectoryBatch``).
     See the module docstring for what is kept together, the cost model, the balance guarantee and
@@ -288,23 +307,30 @@ def plan_micro_batches(
         groups = _trajectories_of(groups)
     groups = list(groups)
     if groups and isinstance(groups[0], Trajectory):
+        if prefix_reuse:
+            raise ValueError("plan_micro_batches: prefix_reuse plans rollout groups, not trajectories (yet)")
         return _plan_trajectories(groups, max_tokens, dp_size, attention_weight)
     _check_groups(groups, max_tokens)
     cost = _item_cost(groups, attention_weight)
-    items = [item for g in range(len(groups)) for item in _split_to_budget(groups, g, max_tokens, cost)]
+    items = [replace(item, reuse=prefix_reuse and len(split) > 1)
+             for g in range(len(groups)) for split in [_split_to_budget(groups, g, max_tokens, cost)] for item in split]
     items = _split_until_every_rank_has_work(
-        items, dp_size, lambda item: _split_group(groups, item, max_tokens, cost, parts=2))
+        items, dp_size, lambda item: [replace(half, reuse=item.reuse)
+                                      for half in _split_group(groups, item, max_tokens, cost, parts=2)])
     per_rank = _assign_to_ranks(items, dp_size)
-    bins_per_rank = _pack_ranks(per_rank, max_tokens)
+    bins_per_rank = [_parts_in_order(bins) for bins in _pack_ranks(per_rank, max_tokens)]
     offsets = list(accumulate((len(g.responses) for g in groups), initial=0))
-    ranks = tuple(tuple(_micro_batch(groups, offsets, bin_items) for bin_items in bins) for bins in bins_per_rank)
+    ranks = tuple(_rank_micro_batches(groups, offsets, bins) for bins in bins_per_rank)
     lens = [(len(g.prompt), [len(r) for r in g.responses]) for g in groups]
+    # a prefix-reuse group's prompt counts once per rank that runs parts of it
+    carried = sum(len(groups[item.group].prompt) for item in items if item.reuse)
+    held = sum(len(groups[g].prompt) for rank_items in per_rank for g in {item.group for item in rank_items if item.reuse})
     return MicroBatchPlan(
         ranks=ranks,
         num_responses=offsets[-1],
         response_tokens=sum(sum(rs) for _, rs in lens),
         rollout_tokens=sum(len(rs) * p + sum(rs) for p, rs in lens),
-        packed_tokens=sum(item.tokens for item in items),
+        packed_tokens=sum(item.tokens for item in items) - carried + held,
     )
 
 
@@ -386,12 +412,14 @@ def _assign_to_ranks(items: List[_Item], dp_size: int) -> List[List[_Item]]:
 
 
 def _pack_ranks(per_rank: List[List[_Item]], max_tokens: int) -> List[List[List[_Item]]]:
-    """Every rank's items in the same number of micro-batches, the smallest number that works."""
-    count = max(1, max(-(-sum(item.tokens for item in items) // max_tokens) for items in per_rank))
+    """Every rank's items in the same number of micro-batches, the smallest number that works. A
+    prefix-reuse part fills a micro-batch alone (it packs as one group's responses)."""
+    sizes = [[max_tokens if i.reuse else i.tokens for i in items] for items in per_rank]
+    count = max(1, max(-(-sum(rank_sizes) // max_tokens) for rank_sizes in sizes))
     while True:
         packed = []
-        for items in per_rank:
-            bins = _bins([i.tokens for i in items], [i.cost for i in items], count, max_tokens)
+        for items, rank_sizes in zip(per_rank, sizes):
+            bins = _bins(rank_sizes, [i.cost for i in items], count, max_tokens)
             if bins is None:
                 break
             packed.append([[items[i] for i in b] for b in bins])
@@ -439,6 +467,28 @@ def _greedy_bins(sizes, costs, count: int, capacity: int, order, choose) -> Opti
         loads[b] += costs[i]
         fill[b] += sizes[i]
     return [sorted(b) for b in bins]
+
+
+def _parts_in_order(bins: List[List[_Item]]) -> List[List[_Item]]:
+    """A rank's micro-batches with the parts of each prefix-reuse group one after the other, after
+    the others: a held prompt stays alive from its first part to its last only."""
+    return sorted(bins, key=lambda b: b[0].group if b and b[0].reuse else -1)
+
+
+def _rank_micro_batches(groups: List[RolloutGroup], offsets: List[int], bins: List[List[_Item]]
+                        ) -> Tuple[PlannedMicroBatch, ...]:
+    """A rank's planned micro-batches; the parts of a prefix-reuse group share one ``SharedPrompt``."""
+    planned = [_micro_batch(groups, offsets, b) for b in bins]
+    reused = sorted({b[0].group for b in bins if b and b[0].reuse})
+    if reused:
+        from .rl.prefix_reuse import SharedPrompt
+
+        for g in reused:
+            where = [i for i, b in enumerate(bins) if b and b[0].reuse and b[0].group == g]
+            prompt = SharedPrompt(torch.as_tensor(list(groups[g].prompt), dtype=torch.long), len(where))
+            for part, i in enumerate(where):
+                planned[i] = replace(planned[i], shared_prompt=prompt, part=part)
+    return tuple(planned)
 
 
 def _micro_batch(groups: List[RolloutGroup], offsets: List[int], items: List[_Item]) -> PlannedMicroBatch:

@@ -15,7 +15,8 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
   layout), and every parameter and its gradient as pieces (global names, tensor-parallel split)
   that the test assembles into full tensors. Among them a layer count that pp splits unevenly
   and a vocabulary that tp pads to another size than one process does; the ``trees_`` runs take
-  the step on prefix trees of trajectories (``TREE_MICRO_BATCHES``) instead of rollout groups.
+  the step on prefix trees of trajectories (``TREE_MICRO_BATCHES``) instead of rollout groups,
+  the ``reuse_`` runs on one long group's prefix-reuse parts (``REUSE_PARTS``).
 * ``ppo_dp2``: two PPO mini-batches (``ppo_updates``) at dp=2, one of them with a padding
   micro-batch: the parameters after both optimizer steps (test_parallel runs ``ppo_run`` in one
   process too).
@@ -42,8 +43,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
 from megatron_dualkv.rl import (
-    GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, forward_only, plan_mini_batches, ppo_updates,
-    vocab_parallel_logprobs,
+    GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, forward_only, pack_prefix_reuse,
+    plan_mini_batches, ppo_updates, vocab_parallel_logprobs,
 )
 from gloo_world import join_world, new_rendezvous
 from rollouts import make_batch, make_groups, perturbed
@@ -72,6 +73,7 @@ class ParallelRun:
     overrides: Dict = field(default_factory=dict)
     recompute: Dict = field(default_factory=dict)
     trees: bool = False  # micro-batches of trajectories (TREE_MICRO_BATCHES) instead of rollout groups
+    reuse: bool = False  # one long group's prefix-reuse parts (REUSE_SHAPE, REUSE_PARTS) instead
 
     def build_kwargs(self) -> Dict:
         return dict(self.sizes, seed=SEED, **self.overrides, **self.recompute)
@@ -126,7 +128,14 @@ PARALLEL_RUNS = {
     "hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True)),
     "hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2)),
     "hybrid_moe_ep2": ParallelRun("qwen3-next-tiny", 2, dict(ep=2)),  # with the gated shared expert
+    # prefix reuse: every rank holds its heads' prompt K/V; the prompt's last hidden state's
+    # gradient, one vocabulary shard's share per rank, is summed over TP in the prompt's backward
+    # (all-gathered rows under SP, copied ones without)
+    "reuse_dense_tp2": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=False), reuse=True),
+    "reuse_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), reuse=True),
 }
+REUSE_SHAPE, REUSE_PARTS = (13, [5, 1, 7, 3, 4]), [[0, 1], [2], [3, 4]]
+
 
 def random_tree_shapes(seed: int, groups: range, depth: int = 5, branching: int = 4) -> list:
     """Seeded random trees in TREE_SHAPES' form, one per group: up to ``depth`` segments on a path and
@@ -179,16 +188,21 @@ def tree_trajectories(shapes, seed: int) -> List[Trajectory]:
     return out
 
 
-def micro_batches(pad_to_multiple_of: int, trees: bool = False) -> List[RLMicroBatch]:
-    """The micro-batches of every parallel run: the same rollouts (or trajectories), padded as the
-    run needs, with behaviour and reference log-probs near those of a tiny random model (-log 256)."""
+def micro_batches(pad_to_multiple_of: int, trees: bool = False, reuse: bool = False) -> List[RLMicroBatch]:
+    """The micro-batches of every parallel run: the same rollouts (or trajectories, or prefix-reuse
+    parts), padded as the run needs, with behaviour and reference log-probs near those of a tiny
+    random model (-log 256)."""
+    if reuse:
+        batches = pack_prefix_reuse(make_groups([REUSE_SHAPE])[0], REUSE_PARTS, pad_to_multiple_of)
+    elif trees:
+        batches = [pack_trajectories(tree_trajectories(shapes, seed), pad_to_multiple_of=pad_to_multiple_of)
+                   for seed, shapes in enumerate(TREE_SHAPES)]
+    else:
+        batches = [make_batch(shapes, seed=seed, pad_to_multiple_of=pad_to_multiple_of)
+                   for seed, shapes in enumerate(MICRO_BATCH_SHAPES)]
     out = []
-    for seed, shapes in enumerate(TREE_SHAPES if trees else MICRO_BATCH_SHAPES):
-        if trees:
-            batch = pack_trajectories(tree_trajectories(shapes, seed), pad_to_multiple_of=pad_to_multiple_of)
-        else:
-            batch = make_batch(shapes, seed=seed, pad_to_multiple_of=pad_to_multiple_of)
-        tokens = ResponseTokens.of(batch)
+    for seed, batch in enumerate(batches):
+        tokens = ResponseTokens.of(batch.stub if reuse else batch)
         uniform = tokens.split(torch.full((tokens.num_tokens,), -math.log(256)))
         out.append(RLMicroBatch(batch, perturbed(uniform, 0.1, seed), perturbed(uniform, 0.1, seed + 10)))
     return out
@@ -203,16 +217,18 @@ def parallel_run(run: ParallelRun) -> Dict:
     config.finalize_model_grads_func = finalize_model_grads
     model = ddp if len(ddp) > 1 else ddp[0]
     sizes = ParallelSizes(**run.sizes)
-    batches = micro_batches(sizes.token_multiple, run.trees)
+    batches = micro_batches(sizes.token_multiple, run.trees, run.reuse)
     with torch.no_grad():
-        # one micro-batch at a time: not under the interleaved schedule (it runs at least pp)
-        logprobs = None if sizes.vpp else [forward_logprobs(model, mb.batch) for mb in batches]
+        # one micro-batch at a time: not under the interleaved schedule (it runs at least pp), nor
+        # prefix-reuse parts (they run after their first part, in one schedule)
+        alone = not (sizes.vpp or run.reuse)
+        logprobs = [forward_logprobs(model, mb.batch) for mb in batches] if alone else None
         # the baseline layout, wherever Megatron's attention runs it (no context parallelism)
-        replicated = None if sizes.vpp or sizes.cp > 1 else [forward_logprobs(model, mb.batch, "replicated") for mb in batches]
+        replicated = [forward_logprobs(model, mb.batch, "replicated") for mb in batches] if alone and sizes.cp == 1 else None
     outputs = forward_backward(model, batches, LOSS, with_entropy=True)
     return dict(
         logprobs=logprobs, replicated=replicated, outputs=outputs, parameters=parameter_pieces(chunks),
-        unpadded_error=None if run.trees else unpadded_error(model, sizes),
+        unpadded_error=None if run.trees or run.reuse else unpadded_error(model, sizes),
     )
 
 

@@ -252,20 +252,33 @@ def test_two_gpus_take_the_one_gpu_ppo_updates(one_gpu_runs, dtype):
 
 
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
+    """A group over --max-tokens: prefix reuse (the default where it runs) computes its prompt once,
+    sub-groups (--prefix-reuse off) once each; the same steps either way."""
     rollouts = tmp_path / "ids.jsonl"
-    groups = [  # 20 + 102 tokens: over a 64-token budget, so split into sub-groups carrying the prompt
+    groups = [  # 20 + 102 tokens: over a 64-token budget, so split
         {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(12)], "rewards": [i % 2 for i in range(12)]},
         {"prompt": [7, 8, 9], "responses": [[10, 11], [12]], "rewards": [1.0, 0.0]},
     ]
     rollouts.write_text("".join(json.dumps(g) + "\n" for g in groups))
-    out, steps = run_script("--rollouts", rollouts, "--global-batch-size", 2, "--max-tokens", 64, "--steps", 2, "--loss", "grpo")
-    assert "2 rollout groups" in out and sorted(steps) == [1, 2]
     rollout_tokens, unsplit_tokens = 12 * 20 + 102 + 2 * 3 + 3, 20 + 102 + 3 + 3
-    for fields in steps.values():
-        # on-policy GRPO: ratio 1 and group-normalised advantages summing to 0 -> loss ~0
-        assert abs(number(fields, "loss")) < 1e-5
-        assert int(fields["mb"]) >= 3
-        assert 1 < number(fields, "rho") < rollout_tokens / unsplit_tokens - 0.1  # the prompt is computed again per sub-group
+    runs = {}
+    for reuse in ("auto", "off"):
+        out, steps = run_script("--rollouts", rollouts, "--global-batch-size", 2, "--max-tokens", 64, "--steps", 2,
+                                "--loss", "grpo", "--prefix-reuse", reuse)
+        assert "2 rollout groups" in out and sorted(steps) == [1, 2]
+        how = "prefix reuse (its prompt runs once)" if reuse == "auto" else "sub-groups (each carries its prompt)"
+        assert f"plan: 1 group over --max-tokens 64 in 3 micro-batches, as {how}" in out
+        for fields in steps.values():
+            # on-policy GRPO: ratio 1 and group-normalised advantages summing to 0 -> loss ~0
+            assert abs(number(fields, "loss")) < 1e-5
+            assert int(fields["mb"]) >= 3
+            if reuse == "auto":
+                assert number(fields, "rho") == pytest.approx(rollout_tokens / unsplit_tokens, abs=0.01)
+            else:  # the prompt is computed again per sub-group
+                assert 1 < number(fields, "rho") < rollout_tokens / unsplit_tokens - 0.1
+        runs[reuse] = steps
+    for step in (1, 2):
+        assert number(runs["auto"][step], "margin") == pytest.approx(number(runs["off"][step], "margin"), abs=1e-4)
 
 
 def test_attention_demo_runs():
@@ -895,3 +908,31 @@ def test_attention_bench_baselines_use_the_layouts_mask(window):
     assert trees["d128-tree-agent"]["replicated_tokens"] == 8 * (4096 + 4 * 1024)
     assert trees["d128-tree-search"]["segments"] == 1 + 84
     assert trees["d128-tree-16x8192x1024"]["tokens"] == 8192 + 16 * 1024
+
+
+def test_prefix_reuse_on_names_what_is_in_the_way(script):
+    no_trajectories = SimpleNamespace(trajectories=None)
+    args = script.parse_args(["--prefix-reuse", "on", "--layout", "replicated"])
+    with pytest.raises(script.InputError, match=r"^--prefix-reuse on does not run with --layout replicated yet; "
+                                                r"use --prefix-reuse off$"):
+        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
+    args = script.parse_args(["--prefix-reuse", "on", "--model", "qwen3_5-tiny"])
+    with pytest.raises(script.InputError, match=r"^--prefix-reuse on does not run with Gated DeltaNet layers yet"):
+        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
+    for flags, want in ((["--layout", "replicated"], False), ([], True), (["--prefix-reuse", "off"], False),
+                        (["--model", "qwen3_5-tiny"], False)):
+        args = script.parse_args(flags)
+        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
+        assert args.prefix_reuse is want, flags
+
+
+def test_memory_fit_counts_the_held_prompt(script):
+    """With prefix reuse a group over --max-tokens holds its prompt: the memory model counts it."""
+    group = RolloutGroup([1] * 16384, [[2] * 2048] * 16, rewards=[0.0] * 16)
+    for reuse, held in (("auto", 16384), ("off", 0)):
+        args = script.parse_args(["--model", "qwen3-4b", "--recompute", "selective", "--max-tokens", "20000",
+                                  "--prefix-reuse", reuse])
+        script.resolve_prefix_reuse(args, SimpleNamespace(trajectories=None), script.model_card(args))
+        fit = script.fit_within(args, [group], 1e15)
+        want = MemoryModel.for_card("qwen3-4b").held_prompt_bytes(held, "selective")
+        assert fit.estimate.parts.get("held prompt", 0) == want and (want > 0) == (reuse == "auto")

@@ -76,9 +76,9 @@ def check_against_one_process(name, ranks):
             real_rows(n, p, vocab).copy_(real_rows(n, full[n]["value"], vocab))
             if n in VOCAB_TENSORS:
                 assert not full[n]["grad"][vocab:].any(), f"{n}: padded rows get no gradient"
-    batches = micro_batches(pad_to_multiple_of=1, trees=run.trees)
-    with torch.no_grad():
-        logprobs = [forward_logprobs(model, mb.batch) for mb in batches]
+    batches = micro_batches(pad_to_multiple_of=1, trees=run.trees, reuse=run.reuse)
+    with torch.no_grad():  # prefix-reuse parts: the ranks return none (their parts run in one schedule)
+        logprobs = None if run.reuse else [forward_logprobs(model, mb.batch) for mb in batches]
     model.zero_grad(set_to_none=True)
     outputs = forward_backward(model, batches, LOSS, with_entropy=True)
     for rank, result in enumerate(ranks):
@@ -99,7 +99,7 @@ def check_against_one_process(name, ranks):
         got, want = real_rows(n, full[n]["grad"], vocab), real_rows(n, p.grad, vocab)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=n)
     sizes = ParallelSizes(**run.sizes)
-    if sizes.token_multiple > 1 and sizes.pp == 1 and not run.trees:  # what an unpadded micro-batch of 35 tokens gets
+    if sizes.token_multiple > 1 and sizes.pp == 1 and not (run.trees or run.reuse):  # what an unpadded micro-batch of 35 tokens gets
         for result in ranks:
             assert f"35 packed tokens, not a multiple of {sizes.token_multiple}" in result["unpadded_error"]
             assert f"pad_to_multiple_of={sizes.token_multiple})" in result["unpadded_error"]

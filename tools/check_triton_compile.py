@@ -3,7 +3,8 @@
 The ops run on small CPU tensors, choosing what they would choose on the GPU (its block configs,
 TMA from sm_90 on), and each kernel launch is replaced by a compile for the target: source to
 cubin through ``ptxas``, no launch and no output. Attention runs on a DualKV layout and on a
-prefix tree (the forward and dQ kernels' multi-range variants). A kernel that the GPU's Triton
+prefix tree (the forward and dQ kernels' multi-range variants), and against a prompt held apart
+(``dualkv_prefix_attn``: its prefix kernels with a window and softcap). A kernel that the GPU's Triton
 would refuse (a type error, shared memory over the limit, an unsupported op) fails here in
 seconds instead of in a device call. The interpreter that runs the CPU tests does not type-check,
 and it has no shared-memory limit.
@@ -39,8 +40,9 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # an installed or PYTHONPATH package first
-from megatron_dualkv import DualKVLayout, TreeLayout  # noqa: E402
+from megatron_dualkv import DualKVLayout, PrefixedLayout, TreeLayout  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
+from megatron_dualkv.ops.dualkv_prefix_attn import dualkv_prefix_attn_triton  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm_rope import rms_norm_rope_func  # noqa: E402
@@ -114,6 +116,15 @@ def attention_case(head_dim: int, dtype: torch.dtype, window, softcap, determini
     out.float().sum().backward()
 
 
+def prefix_attention_case(head_dim: int, dtype: torch.dtype):
+    """LAYOUT's responses against its prompt held apart, with a window and a softcap (every branch)."""
+    layout = PrefixedLayout((70,), ((33, 40),))
+    q = torch.randn(layout.total_tokens, 4, head_dim, dtype=dtype, requires_grad=True)
+    k, v, prefix_k, prefix_v = (torch.randn(n, 2, head_dim, dtype=dtype, requires_grad=True)
+                                for n in (layout.total_tokens, layout.total_tokens, 70, 70))
+    dualkv_prefix_attn_triton(q, k, v, prefix_k, prefix_v, layout, window_size=50, softcap=30.0).float().sum().backward()
+
+
 def elementwise_cases(dtype: torch.dtype):
     x = torch.randn(5, 3, 256, dtype=dtype, requires_grad=True)
     weight = torch.randn(256, dtype=dtype, requires_grad=True)
@@ -135,6 +146,7 @@ def cases(head_dims, dtypes):
                     f" softcap={softcap}" if softcap else "") + (" deterministic" if deterministic else "")
                 yield label, lambda d=d, dt=dtype, w=window, s=softcap, det=deterministic, lay=layout: attention_case(
                     d, dt, w, s, det, lay)
+        yield f"attention prefix D={d} {name} window=50 softcap=30.0", lambda d=d, dt=dtype: prefix_attention_case(d, dt)
     for name, dtype in dtypes.items():
         yield f"rms_norm, rms_norm_rope, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
 

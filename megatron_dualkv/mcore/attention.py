@@ -28,7 +28,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
-from ..attention import dualkv_attn_func
+from ..attention import dualkv_attn_func, dualkv_prefix_attn_func
+from ..layout import PrefixedLayout
 from .context_parallel import context_parallel_size, local_tokens, ulysses_attention
 from .packed_seq_params import DualKVPackedSeqParams
 
@@ -125,6 +126,16 @@ class DualKVAttention(DotProductAttention):
                 deterministic=self.config.deterministic_mode,
             )
 
+        held = packed_seq_params.held_prompt
+        if held is not None:
+            if isinstance(layout, PrefixedLayout):
+                out = dualkv_prefix_attn_func(query, key, value, *held.kv[self.layer_number], layout,
+                                              softmax_scale=self.dualkv_softmax_scale, window_size=self.dualkv_window,
+                                              softcap=self.dualkv_softcap, deterministic=self.config.deterministic_mode)
+                return out.reshape(out.shape[0], -1)
+            # a layer that frees its rotated key after the forward: the held one is a copy
+            copy_key = bool(getattr(self.config, "recompute_qk_norm_rope", False))
+            key, value = held.hold(self.layer_number, key, value, copy_key)
         if context_parallel_size(packed_seq_params.cp_group) > 1:
             return ulysses_attention(query, key, value, packed_seq_params.cp_group, attend)
         out = attend(query, key, value)

@@ -17,12 +17,18 @@ from ..layout import PackedLayout
 @dataclass
 class DualKVPackedSeqParams(PackedSeqParams):
     """``PackedSeqParams`` (thd) carrying the packed micro-batch's layout: a ``DualKVLayout``
-    (prompts and responses) or a ``TreeLayout`` (prefix trees of trajectories)."""
+    (prompts and responses) or a ``TreeLayout`` (prefix trees of trajectories), or a
+    ``PrefixedLayout`` (responses whose prompt is held: ``rl.prefix_reuse``).
+
+    held_prompt: prefix reuse's ``HeldPrompt``: with a ``DualKVLayout`` of the prompt alone, every
+    layer holds its prompt K/V there; with a ``PrefixedLayout``, every layer attends to them.
+    """
 
     layout: Optional[PackedLayout] = None
+    held_prompt: Optional[object] = None
 
     @classmethod
-    def from_layout(cls, layout: PackedLayout) -> "DualKVPackedSeqParams":
+    def from_layout(cls, layout: PackedLayout, held_prompt=None) -> "DualKVPackedSeqParams":
         if not isinstance(layout, PackedLayout):
             raise TypeError(f"from_layout: expected a DualKVLayout or a TreeLayout, got {type(layout).__name__}")
         # cu_seqlens stay on the host: Megatron's unfused thd RoPE reads them one element at a
@@ -35,4 +41,5 @@ class DualKVPackedSeqParams(PackedSeqParams):
             max_seqlen_q=layout.max_seqlen,
             max_seqlen_kv=layout.max_seqlen,
             layout=layout,
+            held_prompt=held_prompt,
         )

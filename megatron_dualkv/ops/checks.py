@@ -47,6 +47,24 @@ def check_attention_inputs(q, k, v, layout, softmax_scale=None, window_size=None
     return float(softmax_scale)
 
 
+def check_prefix_attention_inputs(q, k, v, prefix_k, prefix_v, layout, softmax_scale=None, window_size=None,
+                                  softcap=None) -> float:
+    """``check_attention_inputs`` on q/k/v and a ``PrefixedLayout``, and the prefix operand
+    prefix_k/v (sum(prefix_lens), Hkv, D) like k/v; return the softmax scale to use."""
+    from ..layout import PrefixedLayout
+
+    if not isinstance(layout, PrefixedLayout):
+        raise TypeError(f"layout must be a PrefixedLayout (responses with a separate prefix), got {type(layout).__name__}")
+    scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
+    for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (layout.prefix_tokens, *k.shape[1:]):
+            raise ValueError(f"{name} must be ({layout.prefix_tokens} prefix tokens, {k.shape[1]} heads, {k.shape[2]}), "
+                             f"got shape {tuple(getattr(t, 'shape', ()))}")
+        if t.dtype != k.dtype or t.device != k.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, k is {k.dtype} on {k.device}")
+    return scale
+
+
 def tma_aligned(t: torch.Tensor) -> bool:
     """Base and all but the last stride 16-byte aligned: what TMA tensor descriptors require."""
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])

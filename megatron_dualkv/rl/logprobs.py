@@ -134,12 +134,12 @@ def model_output(model, batch, layout: str) -> Tensor:
     context parallelism the model runs on this rank's slice of the packed tokens."""
     _check_batch(model, batch, layout)
     if layout == "packed":
-        return _packed_output(model, batch)
+        return packed_output(model, batch)
     return _replicated_output(model, batch)
 
 
 def logprobs_from_output(
-    model, batch, hidden: Tensor, layout: str, with_entropy: bool
+    model, batch, hidden: Tensor, layout: str, with_entropy: bool, all_tokens: bool = False
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Flat (N,) trained-token log-probs (and entropies) from the last stage's ``model_output``.
 
@@ -148,12 +148,13 @@ def logprobs_from_output(
     Under context parallelism every rank has the hidden states of its own token slice: it computes
     the trained tokens whose predicting position lies there, and a sum over the CP ranks (forward;
     identity backward, as the loss that follows is the same on every rank) gives each rank all of
-    them.
+    them. ``all_tokens``: ``hidden`` already holds every token's row with a backward that sums the
+    TP ranks' gradients (``tensor_parallel_rows``), as prefix reuse hands it over.
     """
     gpt = get_attr_wrapped_model(model, "vocab_size", return_model_obj=True)
     tp_group = gpt.pg_collection.tp
     split = tp_group.size() > 1 and gpt.config.sequence_parallel
-    if split:
+    if split and not all_tokens:
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
     tokens = ResponseTokens.of(batch)
     index = None
@@ -162,7 +163,7 @@ def logprobs_from_output(
     else:
         rows, targets = _replicated_predictions(batch, tokens, hidden.device)
     predicting = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [s, b, h]: row = position * b + sequence
-    if tp_group.size() > 1 and not split:
+    if tp_group.size() > 1 and not split and not all_tokens:
         predicting = copy_to_tensor_model_parallel_region(predicting, group=tp_group)
     tied = gpt.share_embeddings_and_output_weights
     weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
@@ -183,6 +184,21 @@ def logprobs_from_output(
                              for x in (logprobs, entropy))
     here = ResponseTokens.of(batch, hidden.device)  # its copy index already on the device: no copy per call
     return tuple(None if x is None else here.expand(x) for x in (logprobs, entropy))
+
+
+def tensor_parallel_rows(model, hidden: Tensor) -> Tensor:
+    """The last stage's ``hidden``, every token's row, as ``logprobs_from_output`` hands its rows to
+    the vocabulary projection: all-gathered from the sequence split under sequence parallelism
+    (reduce-scatter backward), else copied (all-reduce backward); either way the backward sums the
+    gradients of the TP ranks' vocabulary shards. For callers that add rows of their own before
+    the projection (prefix reuse: the prompt's last hidden state)."""
+    gpt = get_attr_wrapped_model(model, "vocab_size", return_model_obj=True)
+    tp_group = gpt.pg_collection.tp
+    if tp_group.size() == 1:
+        return hidden
+    if gpt.config.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
 
 
 def _check_batch(model, batch, layout: str) -> None:
@@ -226,7 +242,10 @@ def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _packed_output(model, batch) -> Tensor:
+def packed_output(model, batch, held_prompt=None) -> Tensor:
+    """``model_output`` on the packed layout of ``batch`` (anything with tokens, a layout and
+    num_tokens); ``held_prompt``: the prefix-reuse state its attention holds or reads
+    (``rl.prefix_reuse``)."""
     # the tokens and the layout (whose .to is cached) only: not the batch's per-trajectory tensors
     device = _model_device(model)
     layout = batch.layout.to(device)
@@ -236,7 +255,7 @@ def _packed_output(model, batch) -> Tensor:
         input_ids=batch.tokens.to(device).unsqueeze(0),
         position_ids=layout.position_ids.unsqueeze(0),
         attention_mask=None,
-        packed_seq_params=DualKVPackedSeqParams.from_layout(layout),
+        packed_seq_params=DualKVPackedSeqParams.from_layout(layout, held_prompt),
         padding_mask=padding.unsqueeze(0),
         skip_output_layer=True,
     )

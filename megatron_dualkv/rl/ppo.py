@@ -116,6 +116,7 @@ def plan_mini_batches(
     dp_rank: int = 0,
     attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
     pad_to_multiple_of: int = 1,
+    prefix_reuse: bool = False,
 ) -> List[MiniBatch]:
     """The rollout batch ``groups`` as ``num_mini_batches`` mini-batches of as many consecutive
     groups each, planned (``plan_micro_batches(max_tokens, dp_size, attention_weight)``) and
@@ -125,6 +126,7 @@ def plan_mini_batches(
     advantages: (num_responses,) of the whole rollout batch, flat in its order (group by group):
     ``loss_fn.advantages`` of the rewards of all groups. ValueError when the groups do not split
     into ``num_mini_batches`` equal parts or the advantages do not match the responses.
+    prefix_reuse: a group over ``max_tokens`` runs its prompt once (``plan_micro_batches``).
     """
     if isinstance(num_mini_batches, bool) or not isinstance(num_mini_batches, int) or num_mini_batches < 1:
         raise ValueError(f"num_mini_batches must be a positive int, got {num_mini_batches!r}")
@@ -144,7 +146,7 @@ def plan_mini_batches(
     for first in range(0, len(units), size):
         index = tuple(range(first, first + size))
         inputs = [groups[g] for g in index] if members is None else [groups[i] for g in index for i in members[g]]
-        plan = plan_micro_batches(inputs, max_tokens, dp_size, attention_weight)
+        plan = plan_micro_batches(inputs, max_tokens, dp_size, attention_weight, prefix_reuse)
         own_advantages = advantages[offsets[first] : offsets[first + size]]
         planned = plan.ranks[dp_rank]
         micro_batches = tuple(RLMicroBatch(mb.pack(pad_to_multiple_of), advantages=mb.select_responses(own_advantages),

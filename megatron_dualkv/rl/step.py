@@ -30,6 +30,7 @@ from ..packing import PackedBatch
 from ..trajectories import TrajectoryBatch
 from .logprobs import LAYOUTS, logprobs_from_output, model_output, response_logprobs
 from .losses import PolicyLoss
+from .prefix_reuse import PrefixReuseBatch, prefix_reuse_output
 from .responses import ResponseTokens
 
 
@@ -37,7 +38,8 @@ from .responses import ResponseTokens
 class RLMicroBatch:
     """One packed micro-batch and what the policy loss needs besides the current log-probs.
 
-    batch: a ``PackedBatch`` or a ``TrajectoryBatch`` (whose trajectories are its responses).
+    batch: a ``PackedBatch`` or a ``TrajectoryBatch`` (whose trajectories are its responses), or a
+    ``PrefixReuseBatch`` (``pack_prefix_reuse``: responses of a group whose prompt runs once).
     old_logprobs / ref_logprobs / rollout_logprobs: per group, per response (R_i,) tensors of its
     trained tokens, as ``forward_logprobs`` returns them (behaviour policy; reference policy, for a
     KL term; the inference engine's log-probs of the sampled tokens, for the loss's rollout
@@ -50,7 +52,7 @@ class RLMicroBatch:
     ratio is 1 (verl's actor does the same when ``on_policy``), with no forward pass for them.
     """
 
-    batch: Union[PackedBatch, TrajectoryBatch]
+    batch: Union[PackedBatch, TrajectoryBatch, PrefixReuseBatch]
     old_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
     ref_logprobs: Optional[Sequence[Sequence[Tensor]]] = None
     advantages: Optional[Tensor] = None
@@ -86,8 +88,12 @@ def rl_forward_step(loss_fn: Optional[PolicyLoss] = None, layout: str = "packed"
 
     def forward_step(data_iterator: Iterator[RLMicroBatch], model):
         micro_batch = _checked(next(data_iterator))
-        output = model_output(model, micro_batch.batch, layout)
-        return output, partial(_policy_loss, model, micro_batch, layout, loss_fn, with_entropy)
+        reuse = isinstance(micro_batch.batch, PrefixReuseBatch)
+        if reuse:
+            output, micro_batch = prefix_reuse_output(model, micro_batch, layout)
+        else:
+            output = model_output(model, micro_batch.batch, layout)
+        return output, partial(_policy_loss, model, micro_batch, layout, loss_fn, with_entropy, reuse)
 
     return forward_step
 
@@ -236,9 +242,10 @@ def _checked(micro_batch) -> RLMicroBatch:
     return micro_batch
 
 
-def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, hidden: Tensor):
+def _policy_loss(model, micro_batch: RLMicroBatch, layout: str, loss_fn, with_entropy: bool, all_tokens: bool,
+                 hidden: Tensor):
     tokens = ResponseTokens.of(micro_batch.batch, hidden.device)
-    logprobs, entropy = logprobs_from_output(model, micro_batch.batch, hidden, layout, with_entropy)
+    logprobs, entropy = logprobs_from_output(model, micro_batch.batch, hidden, layout, with_entropy, all_tokens)
     output = RLStepOutput(logprobs=tokens.split(logprobs.detach()))
     if entropy is not None:
         output.entropy = tokens.split(entropy.detach())

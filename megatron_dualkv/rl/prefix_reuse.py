@@ -1,0 +1,256 @@
+"""Prefix reuse across micro-batches: a group too large for one micro-batch runs its prompt once.
+
+``pack_prefix_reuse(group, parts)`` splits a group's responses into micro-batches that share one
+``SharedPrompt``. In a step (``forward_backward``, Megatron's schedule, micro-batches in order):
+
+1. the first part's forward runs the prompt alone (positions 0..P-1) and holds, per layer, its
+   K/V exactly as DualKV attention consumes them (after the q/k norm and RoPE), and the final
+   hidden state of its last position, which predicts every response's first token;
+2. every part runs its responses (``PrefixedLayout``: positions P..P+R_i-1) with
+   ``dualkv_prefix_attn_func`` against the held K/V. In a training step the held tensors are
+   detached leaves that require grad, so each part's backward accumulates the gradient flowing
+   into the prompt in their ``.grad``;
+3. when the last part's backward has finished, the prompt's backward runs once: from its last
+   hidden state with the accumulated gradient, while each layer's K/V (``_HeldKV``, the identity
+   on the prompt's graph) adds the accumulated gradient of its held copy to what the prompt's own
+   attention sends back.
+
+The gradient is the one-micro-batch step's: the prompt's forward is the same computation (DualKV
+attention makes prompt states independent of the responses), and every path from the loss to the
+prompt passes through the held tensors. Step 3 runs inside the last part's backward call (an
+autograd engine callback), so Megatron's schedule sees one backward per micro-batch, DDP's
+deferred gradient sync happens after it (its ``no_sync`` covers the earlier parts), and activation
+recompute of the prompt's layers, which reruns ``_HeldKV`` in that backward, works unchanged.
+
+Losses: a part is a micro-batch of the plan like a sub-group (``planner``): its advantages come from
+the whole group (``RLMicroBatch.advantages``), its loss divides by the plan's ``loss_normalizer``.
+
+Not supported yet (a ValueError names the combination): pipeline and context parallelism, the
+replicated layout, DDP's overlapped gradient reduce, and core attention
+other than ``DualKVAttention``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
+from torch import Tensor
+
+from ..layout import DualKVLayout, PrefixedLayout
+from ..packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
+
+
+class HeldPrompt:
+    """One step's prompt state: per layer number its (k, v) rows of the prompt, the last position's
+    final hidden state, and (training) the prompt's graph to backpropagate once."""
+
+    def __init__(self, prompt_len: int, requires_grad: bool):
+        self.prompt_len = prompt_len
+        self.requires_grad = requires_grad
+        self.kv: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.root: Optional[Tensor] = None  # the prompt's last hidden row, in its graph
+        self.last_hidden: Optional[Tensor] = None
+
+    def hold(self, layer: int, key: Tensor, value: Tensor, copy_key: bool) -> Tuple[Tensor, Tensor]:
+        """What a layer's core attention calls on the prompt's k/v [t, heads, d]: they come back
+        unchanged, held (``HeldKV``)."""
+        return HeldKV.apply(self, layer, copy_key, key, value)
+
+    def keep(self, layer: int, key: Tensor, value: Tensor, copy_key: bool) -> None:
+        """Hold the prompt rows of ``key``/``value`` [t, heads, d] (first forward only: a recompute
+        of the layer in the prompt's backward computes the same values)."""
+        if layer in self.kv:
+            return
+        rows = slice(0, self.prompt_len)
+        # Copies where the layer does not keep them itself: a key it frees after its forward
+        # (recompute_qk_norm_rope); both in a layer recomputed whole, whose first forward runs
+        # without grad in a training step (a view would keep all of linear_qkv's output alive).
+        whole = self.requires_grad and not torch.is_grad_enabled()
+        k, v = key.detach()[rows], value.detach()[rows]
+        k, v = k.clone() if copy_key or whole else k, v.clone() if whole else v
+        self.kv[layer] = (k.requires_grad_(self.requires_grad), v.requires_grad_(self.requires_grad))
+
+    def add_held_gradients(self, layer: int, dk: Tensor, dv: Tensor) -> Tuple[Tensor, Tensor]:
+        out = []
+        for grad, held in zip((dk, dv), self.kv[layer]):
+            if held.grad is not None:
+                grad = grad.clone()
+                grad[: self.prompt_len] += held.grad
+            out.append(grad)
+        return tuple(out)
+
+    def backward(self) -> None:
+        """The prompt's one backward, after every part's (``_AfterLastPart``)."""
+        grad = self.last_hidden.grad if self.last_hidden.grad is not None else torch.zeros_like(self.last_hidden)
+        torch.autograd.backward(self.root, grad)
+        self.release()
+
+    def release(self) -> None:
+        self.kv, self.root, self.last_hidden = {}, None, None
+
+
+class HeldKV(torch.autograd.Function):
+    """Identity on a layer's prompt k/v that holds them and, in the prompt's backward, adds the
+    gradient the response micro-batches accumulated in the held copies."""
+
+    @staticmethod
+    def forward(ctx, held: HeldPrompt, layer: int, copy_key: bool, key: Tensor, value: Tensor):
+        held.keep(layer, key, value, copy_key)
+        ctx.held, ctx.layer = held, layer
+        return key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        return (None, None, None, *ctx.held.add_held_gradients(ctx.layer, dk, dv))
+
+
+class _AfterLastPart(torch.autograd.Function):
+    """Identity on the last part's copy of the prompt's last hidden state that queues the prompt's
+    backward to run when the backward call it is part of has finished (all gradients accumulated)."""
+
+    @staticmethod
+    def forward(ctx, held: HeldPrompt, hidden: Tensor):
+        ctx.held = held
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the engine's hook for work after the whole backward call (torch's DDP reduces there):
+        # by then every part's gradient of the held tensors is in their .grad
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.held.backward)
+        return None, grad
+
+
+@dataclass(eq=False)
+class SharedPrompt:
+    """A group's prompt shared by ``num_parts`` response micro-batches; ``held`` lives from the
+    first part's forward to the prompt's backward (or the last part's forward without one)."""
+
+    tokens: Tensor
+    num_parts: int
+    pad_to_multiple_of: int = 1
+    pad_token_id: int = 0
+    held: Optional[HeldPrompt] = None
+
+    @property
+    def batch(self) -> PackedBatch:
+        """The prompt alone as a packed micro-batch: a group without responses."""
+        pad = -len(self.tokens) % self.pad_to_multiple_of
+        tokens = torch.cat([self.tokens, self.tokens.new_full((pad,), self.pad_token_id)])
+        return PackedBatch(tokens, DualKVLayout((len(self.tokens),), ((),), pad))
+
+
+@dataclass(eq=False)
+class PrefixReuseBatch:
+    """One response micro-batch of a group whose prompt is held (``pack_prefix_reuse``).
+
+    tokens / layout: the responses (and padding), ``PrefixedLayout`` (positions after the prompt).
+    stub: the same responses after a one-token prompt (the prompt's last token): what the losses
+    read (``ResponseTokens``, rewards), with the prompt's held last hidden state as that token's row.
+    """
+
+    prompt: SharedPrompt
+    index: int
+    tokens: Tensor
+    layout: PrefixedLayout
+    stub: PackedBatch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.total_tokens
+
+    @property
+    def rewards(self):
+        return self.stub.rewards
+
+
+def pack_prefix_reuse(group: RolloutGroup, parts: Sequence[Sequence[int]], pad_to_multiple_of: int = 1,
+                      pad_token_id: int = 0) -> List[PrefixReuseBatch]:
+    """``group`` split into response micro-batches ``parts`` (lists of response indices, each
+    response in one part) that share one prompt forward and backward per step (module docstring).
+    Each part is padded to ``pad_to_multiple_of`` tokens, as is the prompt's own forward."""
+    check_rollout_groups([group], "pack_prefix_reuse")
+    every = sorted(i for part in parts for i in part)
+    if not parts or any(not part for part in parts) or every != list(range(len(group.responses))):
+        raise ValueError(f"pack_prefix_reuse: parts {[list(p) for p in parts]} must split the group's "
+                         f"{len(group.responses)} responses, each into exactly one non-empty part")
+    prompt = SharedPrompt(torch.as_tensor(list(group.prompt), dtype=torch.long), len(parts))
+    return [prefix_reuse_part(prompt, index, _responses_of(group, part), pad_to_multiple_of, pad_token_id)
+            for index, part in enumerate(parts)]
+
+
+def _responses_of(group: RolloutGroup, part: Sequence[int]) -> RolloutGroup:
+    rewards = None if group.rewards is None else [group.rewards[i] for i in part]
+    return RolloutGroup(group.prompt, [group.responses[i] for i in part], rewards)
+
+
+def prefix_reuse_part(prompt: SharedPrompt, index: int, group: RolloutGroup, pad_to_multiple_of: int = 1,
+                      pad_token_id: int = 0) -> PrefixReuseBatch:
+    """Part ``index`` of ``prompt``'s response micro-batches: ``group``, its prompt with this part's
+    responses, packed with padding to ``pad_to_multiple_of`` (the prompt's forward too)."""
+    prompt.pad_to_multiple_of, prompt.pad_token_id = pad_to_multiple_of, pad_token_id
+    responses = [list(r) for r in group.responses]
+    stub = pack_groups([RolloutGroup(list(group.prompt)[-1:], responses, group.rewards)])
+    lens = tuple(map(len, responses))
+    pad = -sum(lens) % pad_to_multiple_of
+    tokens = torch.tensor([t for r in responses for t in r] + [pad_token_id] * pad, dtype=torch.long)
+    return PrefixReuseBatch(prompt, index, tokens, PrefixedLayout((len(group.prompt),), (lens,), pad), stub)
+
+
+def prefix_reuse_output(model, micro_batch, layout: str):
+    """(the final hidden states of the stub's rows, the micro-batch with the stub as its batch):
+    this part's model output after the prompt's held last hidden state, running the prompt's
+    forward first where this is its first part. The rows are every token's, with a backward that
+    sums the TP ranks' gradients (``logprobs.tensor_parallel_rows``): the loss takes them with
+    ``logprobs_from_output(..., all_tokens=True)``, and the prompt's backward starts from its
+    last row with the held copy's gradient, which holds this rank's vocabulary shard's share."""
+    from .logprobs import packed_output, tensor_parallel_rows
+
+    part: PrefixReuseBatch = micro_batch.batch
+    prompt = part.prompt
+    if part.index == 0:
+        check_prefix_reuse_supported(model, layout)
+        prompt.held = _prompt_forward(model, prompt)
+    held = prompt.held
+    if held is None:
+        raise ValueError(f"prefix reuse: part {part.index} runs before its prompt's first part (index 0); "
+                         "give a group's parts in order, in one forward_backward call")
+    hidden = tensor_parallel_rows(model, packed_output(model, part, held))
+    last = part.index == prompt.num_parts - 1
+    first_row = _AfterLastPart.apply(held, held.last_hidden) if last and held.requires_grad else held.last_hidden
+    if last and not held.requires_grad:
+        prompt.held = None
+    hidden = torch.cat([first_row, hidden[: part.num_tokens - part.layout.pad_len]])
+    return hidden, replace(micro_batch, batch=part.stub)
+
+
+def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
+    from .logprobs import packed_output, tensor_parallel_rows
+
+    held = HeldPrompt(len(prompt.tokens), torch.is_grad_enabled())
+    hidden = tensor_parallel_rows(model, packed_output(model, prompt.batch, held))
+    layers = get_attr_wrapped_model(model, "config").num_layers
+    if len(held.kv) != layers:
+        raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
+                         "DualKVAttention as every layer's core attention (the local layer spec, not Transformer "
+                         "Engine's; no Gated DeltaNet layers, whose prompt state is no K/V)")
+    held.root = hidden[len(prompt.tokens) - 1 : len(prompt.tokens)]
+    held.last_hidden = held.root.detach().requires_grad_(held.requires_grad)
+    return held
+
+
+def check_prefix_reuse_supported(model, layout: str) -> None:
+    """ValueError naming what prefix reuse does not run with yet."""
+    unsupported = [
+        (layout != "packed", f"the {layout} layout"),
+        (parallel_state.get_pipeline_model_parallel_world_size() > 1, "pipeline parallelism"),
+        (parallel_state.get_context_parallel_world_size() > 1, "context parallelism"),
+        (getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False),
+         "DDP's overlap_grad_reduce (its buckets would reduce before the prompt's backward)"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"prefix reuse (pack_prefix_reuse) does not support {what} yet")

@@ -1,0 +1,196 @@
+"""Prefix reuse (rl.prefix_reuse): a group split into response micro-batches that share one prompt
+forward and backward gives the one-micro-batch step's log-probs, losses and gradients, at float64
+on the CPU, through Megatron's schedule."""
+import pytest
+import torch
+
+from megatron_dualkv import Trajectory, pack_groups, plan_micro_batches
+from megatron_dualkv.models import build_model
+from megatron_dualkv.rl import (DAPOLoss, GRPOLoss, PrefixReuseBatch, RLMicroBatch, forward_backward, forward_logprobs,
+                                pack_prefix_reuse)
+from rollouts import make_groups, perturbed
+
+SHAPE = (11, [5, 1, 7, 3, 4])
+PARTS = [[0, 1], [2], [3, 4]]
+
+
+# exact MoE comparison: no load-balancing loss, whose token statistics are per micro-batch; its
+# grouped expert matmuls have no float64 kernel on the CPU, so it runs at float32
+MODELS = [("qwen3-tiny", None), ("qwen3-tiny", "selective"), ("qwen3-tiny", "full"), ("qwen3-moe-tiny", None),
+          ("gemma3-tiny", None)]
+
+
+def float64_model(card, recompute=None):
+    model = build_model(card, recompute=recompute, moe_aux_loss_coeff=0.0)
+    return model if "moe" in card else model.double()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return float64_model("qwen3-tiny")
+
+
+def whole_and_parts(model, parts, pad=1, seed=0):
+    """The group as one RLMicroBatch and as prefix-reuse parts, with the same old / reference
+    log-probs and the whole group's advantages."""
+    group = make_groups([SHAPE], seed=seed)[0]
+    batch = pack_groups([group], pad_to_multiple_of=pad)
+    with torch.no_grad():
+        current = forward_logprobs(model, batch)
+    old, ref = perturbed(current, 0.3, seed), perturbed(current, 0.1, seed + 10)
+    advantages = GRPOLoss().advantages(batch.rewards)
+    whole = RLMicroBatch(batch, old, ref, advantages=advantages)
+    pieces = pack_prefix_reuse(group, parts, pad_to_multiple_of=pad)
+    split = [RLMicroBatch(piece, [[old[0][i] for i in part]], [[ref[0][i] for i in part]], advantages=advantages[part])
+             for piece, part in zip(pieces, parts)]
+    return whole, split
+
+
+def step(model, micro_batches, loss_fn):
+    model.zero_grad(set_to_none=True)
+    outputs = forward_backward(model, micro_batches, loss_fn, with_entropy=True)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return outputs, grads
+
+
+def assert_equal_steps(model, loss, parts, pad=1, float32_norms=False):
+    """``float32_norms``: norms computed in float32 whatever the model's dtype (Gemma's), so their
+    weights' gradients sum float32 terms in another order."""
+    exact = next(model.parameters()).dtype == torch.float64
+    tol = dict(rtol=1e-10, atol=1e-12) if exact else dict(rtol=1e-4, atol=1e-6)
+    whole, split = whole_and_parts(model, parts, pad)
+    responses, tokens = len(SHAPE[1]), sum(SHAPE[1])
+    count = responses if loss == "grpo" else tokens
+    make = (lambda n: GRPOLoss(clip_eps=0.2, kl_coef=0.05, normalizer=n)) if loss == "grpo" else (
+        lambda n: DAPOLoss(normalizer=n))
+    (one,), one_grads = step(model, [whole], make(count))
+    outputs, grads = step(model, split, make(count / len(parts)))
+    for out, part in zip(outputs, parts):
+        for got, i in zip(out.logprobs[0], part):
+            torch.testing.assert_close(got, one.logprobs[0][i], **tol)
+        for got, i in zip(out.entropy[0], part):
+            torch.testing.assert_close(got, one.entropy[0][i], **tol)
+    # the schedule averages the parts' losses
+    torch.testing.assert_close(sum(out.loss for out in outputs) / len(parts), one.loss, **tol)
+    assert grads.keys() == one_grads.keys() == {n for n, _ in model.named_parameters()}
+    for name, grad in grads.items():
+        norm = float32_norms and "norm" in name
+        torch.testing.assert_close(grad, one_grads[name], **(dict(rtol=1e-6, atol=1e-8) if norm else tol), msg=name)
+
+
+@pytest.mark.parametrize("card, recompute", MODELS, ids=[f"{c}-{r or 'no recompute'}" for c, r in MODELS])
+def test_prefix_reuse_equals_one_micro_batch(card, recompute):
+    assert_equal_steps(float64_model(card, recompute), "grpo", PARTS, float32_norms="gemma" in card)
+
+
+@pytest.mark.parametrize("parts", [[[4, 2, 0, 1, 3]], [[3], [0, 4], [2], [1]]], ids=["1 part", "4 parts"])
+def test_token_mean_loss_and_padded_parts(model, parts):
+    assert_equal_steps(model, "dapo", parts, pad=8)
+
+
+def test_forward_only_logprobs(model):
+    whole, split = whole_and_parts(model, PARTS)
+    one = forward_backward(model, [RLMicroBatch(whole.batch)])[0]
+    outputs = forward_backward(model, [RLMicroBatch(mb.batch) for mb in split])
+    for out, part in zip(outputs, PARTS):
+        assert not out.logprobs[0][0].requires_grad
+        torch.testing.assert_close(torch.cat(out.logprobs[0]), torch.cat([one.logprobs[0][i] for i in part]),
+                                   rtol=0, atol=1e-12)
+    assert split[0].batch.prompt.held is None and all(p.grad is None for p in model.parameters())
+
+
+def test_megatron_ddp_reduces_once_after_the_prompt_backward():
+    """Megatron DDP (grads in its buffer, no_sync over all but the last micro-batch, the reduce in
+    finalize_model_grads): the same main_grad as the one-micro-batch step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    model = build_model("qwen3-tiny", seed=5)
+    config = model.config
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    whole, split = whole_and_parts(ddp, PARTS)
+    grads = []
+    for micro_batches in ([whole], split):
+        ddp.zero_grad_buffer()
+        forward_backward(ddp, micro_batches, GRPOLoss(normalizer=len(SHAPE[1]) / len(micro_batches)))
+        grads.append({name: p.main_grad.clone() for name, p in ddp.module.named_parameters()})
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grad, grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert any(g.abs().max() > 0 for g in grads[0].values())
+
+
+def test_unsupported_combinations_are_named(model):
+    _, split = whole_and_parts(model, PARTS)
+    with pytest.raises(ValueError, match="prefix reuse .* does not support the replicated layout"):
+        forward_backward(model, split, GRPOLoss(), layout="replicated")
+    with pytest.raises(ValueError, match="part 1 runs before its prompt's first part"):
+        forward_backward(model, split[1:], GRPOLoss())
+    with pytest.raises(ValueError, match=r"parts \[\[0\], \[0, 1\]\] must split the group's 5 responses"):
+        pack_prefix_reuse(make_groups([SHAPE])[0], [[0], [0, 1]])
+    model.zero_grad(set_to_none=True)
+
+
+PLAN_SHAPES = [(3, [2, 4]), (17, [5, 1, 7, 3, 4, 2]), (2, [1]), (9, [3, 3])]
+
+
+def test_plan_runs_a_long_group_with_prefix_reuse():
+    groups = make_groups(PLAN_SHAPES, seed=4)
+    for dp_size in (1, 2, 3):
+        plan = plan_micro_batches(groups, 28, dp_size, prefix_reuse=True)
+        # parts spread over ranks each compute the prompt there
+        sub_groups = plan_micro_batches(groups, 28, dp_size).packed_tokens
+        assert plan.packed_tokens < sub_groups if dp_size == 1 else plan.packed_tokens <= sub_groups
+        for rank in plan.ranks:
+            shared = [mb for mb in rank if mb.shared_prompt is not None]
+            assert all(mb.source_groups == (1,) for mb in shared)
+            # one prompt per rank, its parts one after the other, in order
+            assert len({id(mb.shared_prompt) for mb in shared}) <= 1
+            first = next((i for i, mb in enumerate(rank) if mb.shared_prompt is not None), 0)
+            assert [mb.part for mb in rank[first : first + len(shared)]] == list(range(len(shared)))
+            assert all(mb.shared_prompt.num_parts == len(shared) for mb in shared)
+        responses = sorted(i for rank in plan.ranks for mb in rank if mb.shared_prompt is not None
+                           for i in mb.source_responses[0])
+        assert responses == list(range(len(PLAN_SHAPES[1][1])))
+    with pytest.raises(ValueError, match="prefix_reuse plans rollout groups"):
+        plan_micro_batches([Trajectory([1, 2, 3], [0, 1, 1])], 8, prefix_reuse=True)
+
+
+def test_planned_prefix_reuse_step_equals_the_sub_group_step(model):
+    """The plan with prefix reuse and today's sub-groups: the same losses' sum and gradients."""
+    groups = make_groups(PLAN_SHAPES, seed=4)
+    advantages = GRPOLoss().advantages([torch.tensor(g.rewards) for g in groups])
+    results = []
+    for prefix_reuse in (False, True):
+        plan = plan_micro_batches(groups, 28, prefix_reuse=prefix_reuse)
+        loss_fn = GRPOLoss(normalizer=plan.loss_normalizer("sequence-mean"))
+        micro_batches = [RLMicroBatch(mb.pack(8), advantages=mb.select_responses(advantages), on_policy=True)
+                         for mb in plan.ranks[0]]
+        outputs, grads = step(model, micro_batches, loss_fn)
+        results.append((sum(out.loss for out in outputs) / len(outputs), grads))
+    assert any(isinstance(mb.batch, PrefixReuseBatch) for mb in micro_batches)
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
+    for name, grad in results[1][1].items():
+        torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("mode, rows", [("none", 2), ("selective", 3), ("full", 4)])
+def test_memory_model_counts_the_held_prompt(mode, rows):
+    """Per layer: the held K/V's accumulated gradients, and the copies the layer does not keep."""
+    from megatron_dualkv.memory import MemoryModel
+
+    memory = MemoryModel.for_card("qwen3-tiny", dtype=torch.bfloat16)
+    config = memory.config
+    per_row = config.num_layers * config.num_query_groups * config.kv_channels * 2 * 100
+    estimate = memory.predict(160, recompute=mode, held_prompt_tokens=100)
+    assert estimate.parts["held prompt"] == rows * per_row
+    assert estimate.total == memory.predict(160, recompute=mode).total + rows * per_row
+
+
+def test_gated_deltanet_layers_are_named():
+    """A Gated DeltaNet layer hands its responses a recurrent state, which prefix reuse does not hold."""
+    model = build_model("qwen3_5-tiny")
+    _, split = whole_and_parts(model, PARTS)
+    with pytest.raises(ValueError, match=r"1 of 4 layers held their prompt K/V; .*no Gated DeltaNet layers"):
+        forward_backward(model, split, GRPOLoss())
+    model.zero_grad(set_to_none=True)
