@@ -132,16 +132,26 @@ def qwen3_state_dict_mapping(card: ModelCard, config: TransformerConfig, experts
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
         mappings += attention_mappings(hf + "self_attn.", ours + "self_attention.", config)
-        mappings += [
-            one_to_one(hf + "input_layernorm.weight", ours + "input_layernorm.weight"),
-            one_to_one(hf + "post_attention_layernorm.weight", ours + "pre_mlp_layernorm.weight"),
-        ]
-        if moe_layers[i]:
-            mappings += _moe_mappings(hf + "mlp.", ours + "mlp.", config, experts_one_by_one)
-        else:
-            mappings += _mlp_mappings(hf + "mlp.", ours + "mlp.")
+        mappings += norm_and_mlp_mappings(hf, ours, config, moe_layers[i], experts_one_by_one)
     tied = card_field(card, "tie_word_embeddings", False)
     return decoder_mapping(mappings, tied=tied, vocab_size=card_field(card, "vocab_size"))
+
+
+def norm_and_mlp_mappings(hf: str, ours: str, config: TransformerConfig, moe: bool, experts_one_by_one: bool
+                          ) -> List[TensorMapping]:
+    """A Qwen decoder layer's input and post-attention norms and its MLP: SwiGLU, or routed experts
+    (with Qwen3-Next's shared expert and its sigmoid gate where the config has one)."""
+    mappings = [
+        one_to_one(hf + "input_layernorm.weight", ours + "input_layernorm.weight"),
+        one_to_one(hf + "post_attention_layernorm.weight", ours + "pre_mlp_layernorm.weight"),
+    ]
+    if not moe:
+        return mappings + _mlp_mappings(hf + "mlp.", ours + "mlp.")
+    mappings += _moe_mappings(hf + "mlp.", ours + "mlp.", config, experts_one_by_one)
+    if config.moe_shared_expert_intermediate_size:
+        mappings += [*_mlp_mappings(hf + "mlp.shared_expert.", ours + "mlp.shared_experts."),
+                     one_to_one(hf + "mlp.shared_expert_gate.weight", ours + "mlp.shared_experts.gate_weight")]
+    return mappings
 
 
 def _mlp_mappings(hf: str, ours: str) -> List[TensorMapping]:

@@ -33,8 +33,7 @@ from .family import (
     split_query_groups,
 )
 from .qwen3 import (
-    _mlp_mappings,
-    _moe_mappings,
+    norm_and_mlp_mappings,
     qwen3_gpt_model_kwargs,
     qwen3_moe_transformer_config_kwargs,
     qwen3_transformer_config_kwargs,
@@ -102,17 +101,7 @@ def qwen3_next_state_dict_mapping(card: ModelCard, config: TransformerConfig, ex
                                                  fused=card.model_type == "qwen3_next")
         else:
             mappings += gated_attention_mappings(hf + "self_attn.", ours + "self_attention.", config)
-        mappings += [
-            one_to_one(hf + "input_layernorm.weight", ours + "input_layernorm.weight"),
-            one_to_one(hf + "post_attention_layernorm.weight", ours + "pre_mlp_layernorm.weight"),
-        ]
-        if moe_layers[i]:
-            mappings += _moe_mappings(hf + "mlp.", ours + "mlp.", config, experts_one_by_one)
-            if config.moe_shared_expert_intermediate_size:
-                mappings += [*_mlp_mappings(hf + "mlp.shared_expert.", ours + "mlp.shared_experts."),
-                             one_to_one(hf + "mlp.shared_expert_gate.weight", ours + "mlp.shared_experts.gate_weight")]
-        else:
-            mappings += _mlp_mappings(hf + "mlp.", ours + "mlp.")
+        mappings += norm_and_mlp_mappings(hf, ours, config, moe_layers[i], experts_one_by_one)
     return decoder_mapping(mappings, tied=card_field(card, "tie_word_embeddings", False),
                            vocab_size=card_field(card, "vocab_size"))
 
