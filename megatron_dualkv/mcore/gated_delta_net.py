@@ -78,7 +78,8 @@ class DualKVGatedDeltaNet(MegatronModule):
         self.values_per_key = value_heads // key_heads
         self.local_key_heads = key_heads // tp_size
         self.width = config.linear_conv_kernel_dim
-        group_rows = 2 * self.key_dim + 2 * self.values_per_key * (self.value_dim + 1)
+        # per key head: its conv channels (q, k, v), then the z, b and a rows of its value heads
+        group_rows = self.conv_group_channels + self.values_per_key * (self.value_dim + 2)
         self.in_proj = build_module(
             submodules.in_proj, config.hidden_size, key_heads * group_rows, config=config,
             init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
