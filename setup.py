@@ -24,6 +24,9 @@ setup(
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece", "tqdm", "psutil",
                  "tensorboard", "matplotlib"],
         "bench": ["matplotlib"],
+        # Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on CUDA: fla's chunked kernels, pinned because
+        # ops/gated_delta_rule.py calls its varlen API with initial and final states
+        "hybrid": ["fla-core==0.6.0"],
         # transformer-engine and apex are optional accelerators, used when present: install them the
         # way your cluster's CUDA stack requires (they do not build on CPU-only machines).
     },

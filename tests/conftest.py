@@ -62,7 +62,8 @@ SLOW_ON_GPU_TESTS = {
 WITHOUT_MEGATRON_MODULES = {
     "test_ab_native.py", "test_causal_conv1d.py", "test_check_triton_compile.py", "test_depth1_tables.py",
     "test_dualkv_attn.py", "test_dualkv_prefix_attn.py",
-    "test_dualkv_attn_gpu.py", "test_dualkv_attn_sm90.py", "test_gated_delta_rule.py", "test_geglu.py", "test_layout.py",
+    "test_dualkv_attn_gpu.py", "test_dualkv_attn_sm90.py", "test_gated_delta_rule.py", "test_gated_delta_rule_gpu.py",
+    "test_geglu.py", "test_layout.py",
     "test_packing.py",
     "test_reference.py", "test_rms_norm.py", "test_rms_norm_rope.py", "test_row_gather_sum.py", "test_tool_args.py",
     "test_trajectories.py",

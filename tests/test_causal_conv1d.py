@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
-from megatron_dualkv.ops.causal_conv1d import causal_conv1d_reference
+from megatron_dualkv.ops.causal_conv1d import GatherRows, RowGatherPlan, causal_conv1d_func, causal_conv1d_reference
 from strategies import layout_lengths, tree_lengths
 
 
@@ -75,3 +75,31 @@ def test_bad_inputs_name_what_is_wrong(args, match):
     a = args(x, weight, bias)
     with pytest.raises(ValueError, match=match):
         causal_conv1d_reference(a[0], a[1], layout, *a[2:])
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), width=st.integers(1, 5), seed=st.integers(0, 2**16), activation=st.sampled_from([None, "silu"]))
+def test_the_fast_path_is_the_reference(data, width, seed, activation):
+    """``causal_conv1d_func`` (one gather, one conv over every segment after its carried-in rows)
+    against the reference's per-segment windows: outputs and every gradient, on fuzzed trees."""
+    layout = TreeLayout(*tree_lengths(data.draw, max_segments=8, max_len=5))
+    x, weight, bias = _inputs(layout.total_tokens, width=width, seed=seed)
+    want = causal_conv1d_reference(x, weight, layout, bias, activation)
+    got = causal_conv1d_func(x, weight, layout, bias, activation)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=want.dtype)
+    for a, b in zip(torch.autograd.grad(got, (x, weight, bias), dout), torch.autograd.grad(want, (x, weight, bias), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_gather_sums_a_shared_row_in_a_fixed_order():
+    """Row 1 is read three times, row 0 never, -1 reads zeros: the gradient of row 1 is the sum of
+    its three readers', added in the order they are read, and a zero row passes nothing back."""
+    plan = RowGatherPlan.build(torch.tensor([1, 2, -1, 1, 1]), rows=3)
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    out = GatherRows.apply(x, plan)
+    torch.testing.assert_close(out, torch.stack([x[1], x[2], torch.zeros(2, dtype=x.dtype), x[1], x[1]]))
+    grad = torch.randn(5, 2, dtype=torch.float64)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    torch.testing.assert_close(dx, torch.stack([torch.zeros(2, dtype=x.dtype), (grad[0] + grad[3]) + grad[4], grad[1]]),
+                               rtol=0, atol=0)

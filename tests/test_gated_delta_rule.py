@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
-from megatron_dualkv.ops.gated_delta_rule import gated_delta_rule_reference
+from megatron_dualkv.ops.gated_delta_rule import (
+    _check_kernel_inputs,
+    gated_delta_rule_func,
+    gated_delta_rule_reference,
+    run_by_level,
+)
 from strategies import layout_lengths, tree_lengths
 
 
@@ -116,3 +121,70 @@ def test_a_bad_initial_state_or_scale_is_refused():
         gated_delta_rule_reference(*inputs, layout, scale=0.0)
     with pytest.raises(TypeError, match="layout must be a DualKVLayout or a TreeLayout"):
         gated_delta_rule_reference(*inputs, None)
+
+
+def _reference_varlen(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial):
+    """A stand-in for fla's varlen kernel with the same contract: each sequence from its own initial state."""
+    outs, finals = [], []
+    for i, (start, end) in enumerate(zip(cu_seqlens_cpu[:-1].tolist(), cu_seqlens_cpu[1:].tolist())):
+        seq = DualKVLayout((end - start,), ((),))
+        out, final = gated_delta_rule_reference(q[start:end], k[start:end], v[start:end], g[start:end],
+                                                beta[start:end], seq, initial_state=None if initial is None else initial[i])
+        outs.append(out)
+        finals.append(final)
+    return torch.cat(outs), torch.cat(finals)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16), with_initial=st.booleans(), groups=st.booleans())
+def test_the_level_schedule_is_the_segment_recurrence(data, seed, with_initial, groups):
+    """What the fla path runs, one varlen call per tree depth with the parents' final states as the
+    initial ones, equals the segment-by-segment recurrence: outputs, final states, every gradient."""
+    if groups:
+        prompt_lens, response_lens = layout_lengths(data.draw, max_groups=3, max_prompt=7, max_responses=3,
+                                                    max_response=5)
+        layout = DualKVLayout(prompt_lens, response_lens, pad_len=data.draw(st.integers(0, 3)))
+    else:
+        layout = TreeLayout(*tree_lengths(data.draw, max_segments=8, max_len=5))
+    inputs = _inputs(layout.total_tokens, seed=seed)
+    h0 = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True) if with_initial else None
+    want = gated_delta_rule_reference(*inputs, layout, initial_state=h0)
+    got = run_by_level(_reference_varlen, *inputs, layout, initial_state=h0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    leaves = inputs + ([h0] if with_initial else [])
+    gen = torch.Generator().manual_seed(seed + 1)
+    douts = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in want]
+    for a, b in zip(torch.autograd.grad(got, leaves, douts), torch.autograd.grad(want, leaves, douts)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_value_heads_share_their_key_head_and_qk_are_l2_normalised():
+    """Grouped values (HV = 2 H): value head j reads key head j // 2, after q and k are normalised,
+    as the reference on explicitly repeated, normalised heads."""
+    layout = DualKVLayout((4,), ((3, 2),))
+    q, k, _, _, _ = (t.detach() for t in _inputs(layout.total_tokens, heads=2))
+    _, _, v, g, beta = (t.detach() for t in _inputs(layout.total_tokens, heads=4, seed=1))
+    out, finals = gated_delta_rule_func(q, k, v, g, beta, layout, qk_l2norm=True)
+    norm = lambda x: (x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(2, dim=1)  # noqa: E731
+    want, want_finals = gated_delta_rule_reference(norm(q), norm(k), v, g, beta, layout)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(finals, want_finals, rtol=1e-12, atol=1e-12)
+
+
+def test_what_the_kernel_cannot_take_is_named():
+    layout = DualKVLayout((4,), ((3,),))
+    q, k, v, g, beta = (t.detach() for t in _inputs(layout.total_tokens))
+    with pytest.raises(ValueError, match="v's 3 heads must be a multiple of q's 2"):
+        gated_delta_rule_func(q, k, torch.cat([v, v[:, :1]], 1), g, beta, layout)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gated_delta_rule_func(q, k, v, g, beta, layout, backend="cuda")
+    bf16 = [t.to(torch.bfloat16) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="float64 runs on the reference backend"):
+        _check_kernel_inputs(q, k, v, g, beta, layout, None, None)
+    with pytest.raises(ValueError, match="g .* must be float32"):
+        _check_kernel_inputs(*bf16, g, beta, layout, None, None)
+    with pytest.raises(ValueError, match="keeps states in float32; initial_state is torch.bfloat16"):
+        _check_kernel_inputs(*bf16, g.float(), beta.float(), layout, None, torch.zeros(2, 3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        _check_kernel_inputs(*bf16, g.float(), beta.float(), layout, None, None)

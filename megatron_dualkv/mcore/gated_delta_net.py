@@ -5,9 +5,10 @@ segment starts from its parent's final state, not from zero and not from the pre
 Two pieces carry state across a segment boundary, and both follow the layout's tree:
 
 * the short causal convolution (width K, 4) over q, k and v: a response's first K-1 tokens read
-  the last K-1 inputs of its path (``ops.causal_conv1d_reference``);
+  the last K-1 inputs of its path (``ops.causal_conv1d_func``);
 * the gated delta rule: a response starts from its prompt's final state, per head a (Dk, Dv)
-  matrix (``ops.gated_delta_rule_reference``).
+  matrix (``ops.gated_delta_rule_func``: fla's chunked kernel once per tree level on CUDA, the
+  reference recurrence elsewhere).
 
 Autograd through those gathers sums a shared state's gradient over its children. Without packed
 params (the replicated layout) each row of the batch is one sequence from zero state.
@@ -45,11 +46,9 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from ..layout import PackedLayout, TreeLayout
-from ..ops.causal_conv1d import causal_conv1d_reference
-from ..ops.gated_delta_rule import gated_delta_rule_reference
+from ..ops.causal_conv1d import causal_conv1d_func
+from ..ops.gated_delta_rule import gated_delta_rule_func
 
-# transformers' l2norm and its epsilon (x / sqrt(sum x^2 + eps)), which fla uses too
-L2NORM_EPS = 1e-6
 # the parameters of the module itself that tensor parallelism splits along dim 0 (per value/conv channel)
 TP_SPLIT_PARAMETERS = {"conv_weight": 0, "A_log": 0, "dt_bias": 0}
 
@@ -127,22 +126,22 @@ class DualKVGatedDeltaNet(MegatronModule):
         qkv, z, b, a = torch.split(
             tokens, [self.conv_group_channels, self.values_per_key * self.value_dim, self.values_per_key,
                      self.values_per_key], dim=-1)
-        qkv = causal_conv1d_reference(qkv.reshape(seq * batch, -1), self.conv_weight, layout, activation="silu")
+        qkv = causal_conv1d_func(qkv.reshape(seq * batch, -1), self.conv_weight, layout, activation="silu")
         q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
                               [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
-        out = self._delta_rule(q, k, v, b, a, layout)  # [T, local value heads, Dv], float32
+        out = self._delta_rule(q, k, v, b, a, layout)  # [T, local value heads, Dv]
         out = self._gated_norm(out, z.reshape(out.shape)).to(hidden_states.dtype)
         out = out.view(batch, seq, -1).transpose(0, 1)
         return self.out_proj(out)
 
     def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, b: Tensor, a: Tensor, layout: PackedLayout) -> Tensor:
-        """In float32 as transformers computes it: each key head's q and k repeated for its value heads."""
-        tokens, repeat = q.shape[0], self.values_per_key
-        q, k = (_l2_normed(x.float()).repeat_interleave(repeat, dim=1) for x in (q, k))
-        v = v.float().reshape(tokens, -1, self.value_dim)
+        """Each key head's q and k serve its value heads; beta and the log decay g in float32, as
+        transformers computes them."""
+        tokens = q.shape[0]
         beta = b.float().sigmoid().reshape(tokens, -1)
         decay = -self.A_log.float().exp() * F.softplus(a.float().reshape(tokens, -1) + self.dt_bias.float())
-        out, _ = gated_delta_rule_reference(q, k, v, decay, beta, layout)
+        out, _ = gated_delta_rule_func(q, k, v.reshape(tokens, -1, self.value_dim), decay, beta, layout,
+                                       qk_l2norm=True)
         return out
 
     def _gated_norm(self, out: Tensor, gate: Tensor) -> Tensor:
@@ -168,10 +167,6 @@ class DualKVGatedDeltaNet(MegatronModule):
             sharded.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
                                                       tp_group=tp_group))
         return sharded
-
-
-def _l2_normed(x: Tensor) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
 def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:

@@ -17,19 +17,27 @@ starts from its parent's final state (a root from ``initial_state``, or zero), w
 each trajectory run alone. A shared state feeds several children, so its gradient is the sum over
 them: autograd gets that from the reuse of one tensor.
 
-This is the oracle the chunked kernels and the hybrid models' layers are to be tested against:
-O(T Dk Dv) per head, token by token, on any device.
+``gated_delta_rule_reference`` is the oracle: O(T Dk Dv) per head, token by token, on any device.
+``gated_delta_rule_func`` is what the layers call: on CUDA, fla's chunked kernel
+(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, fla-core 0.6.0; the ``hybrid`` extra) once per
+tree level, every segment of a level one variable-length sequence whose initial state is its
+parent's final state (fla returns final states and takes their gradients), so a group
+``[P][R1]..[RN]`` is two calls: the prompt, then the N responses from the prompt's state.
+Elsewhere, and in float64, the reference.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ..layout import PackedLayout
 from .checks import check_layout
+
+L2NORM_EPS = 1e-6
 
 
 def gated_delta_rule_reference(
@@ -64,6 +72,195 @@ def gated_delta_rule_reference(
         finals.append(h)
     # nodes are in packed order, so the outputs are too
     return torch.stack(outputs), torch.stack(finals)
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BACKENDS = ("auto", "fla", "reference")
+
+
+def gated_delta_rule_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    layout: PackedLayout,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    qk_l2norm: bool = False,
+    backend: str = "auto",
+) -> Tuple[Tensor, Tensor]:
+    """The gated delta rule over every segment of ``layout``, each from its parent's final state.
+
+    q, k: (T, H, Dk); v: (T, HV, Dv), HV a multiple of H (value head j reads key head j // (HV/H));
+    g (log decay) and beta: (T, HV), float32; initial_state: (HV, Dk, Dv) float32, every root's
+    (default zero); qk_l2norm: L2-normalise q and k first (x / sqrt(sum x^2 + 1e-6)), inside the
+    kernel. Returns the output (T, HV, Dv) in v's dtype and each segment's final state
+    (S, HV, Dk, Dv) in float32 (float64 for float64 inputs), S = ``len(layout.nodes)``.
+
+    backend: "fla" (CUDA; bf16, fp16 or fp32 inputs), "reference", or "auto": fla on CUDA when it
+    is installed and the dtype is one it takes, else the reference.
+    """
+    backend = _backend(q, backend)
+    if q.dim() == 3 and v.dim() == 3 and v.shape[1] % q.shape[1]:
+        raise ValueError(f"v's {v.shape[1]} heads must be a multiple of q's {q.shape[1]}")
+    if backend == "reference":
+        # in float32 at least, as transformers' PyTorch path computes it
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        q, k = q.to(dtype), k.to(dtype)
+        if qk_l2norm:
+            q, k = _l2_normed(q), _l2_normed(k)
+        repeat = v.shape[1] // q.shape[1]
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        out, finals = gated_delta_rule_reference(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), layout, scale,
+                                                 None if initial_state is None else initial_state.to(dtype))
+        return out.to(v.dtype), finals.float() if dtype != torch.float64 else finals
+    _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state)
+    run = fla_varlen(scale if scale is not None else q.shape[2] ** -0.5, qk_l2norm)
+    return run_by_level(run, q, k, v, g, beta, layout, initial_state)
+
+
+VarlenRule = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor]], Tuple[Tensor, Tensor]]
+
+
+def fla_varlen(scale: float, qk_l2norm: bool) -> VarlenRule:
+    """fla's chunked rule on packed sequences: (q, k, v, g, beta, cu_seqlens, cu_seqlens on the
+    host, initial states (N, HV, Dk, Dv) or None) -> (output, final states (N, HV, Dk, Dv))."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def run(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial):
+        out, final = chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], scale=scale, initial_state=initial,
+            output_final_state=True, use_qk_l2norm_in_kernel=qk_l2norm, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu)
+        return out[0], final
+
+    return run
+
+
+@dataclass(frozen=True)
+class _Level:
+    """The segments of one tree depth, as one packed batch of sequences."""
+
+    tokens: Union[slice, Tensor]  # their tokens: a slice when they are contiguous, else indices
+    cu_seqlens: Tensor  # (n + 1,) int64 on the device
+    cu_seqlens_cpu: Tensor  # the same on the host (fla plans its chunks from it without a sync)
+    parents: Optional[Tensor]  # (n,) their parents' places in the previous level (None: roots)
+
+
+@dataclass(frozen=True)
+class _LevelPlan:
+    levels: Tuple[_Level, ...]
+    token_order: Optional[Tensor]  # where each packed token is in the levels' concatenation (None: in place)
+    node_order: Optional[Tensor]  # the same for the segments' final states
+
+
+def _level_plan(layout: PackedLayout, device) -> _LevelPlan:
+    depth_of = [len(node.ancestors) for node in layout.nodes]
+    by_depth: List[List[int]] = [[] for _ in range(max(depth_of, default=-1) + 1)]
+    for index, depth in enumerate(depth_of):
+        by_depth[depth].append(index)
+    place = {}  # segment -> its place within its level
+    levels, token_chunks = [], []
+    for depth, members in enumerate(by_depth):
+        place.update((index, i) for i, index in enumerate(members))
+        nodes = [layout.nodes[i] for i in members]
+        lengths = torch.tensor([0] + [n.length for n in nodes], dtype=torch.int64).cumsum(0)
+        ranges = [torch.arange(n.start, n.start + n.length) for n in nodes]
+        contiguous = all(a.start + a.length == b.start for a, b in zip(nodes, nodes[1:]))
+        tokens = slice(nodes[0].start, nodes[-1].start + nodes[-1].length) if contiguous else torch.cat(ranges).to(device)
+        parents = None if depth == 0 else torch.tensor([place[n.parent] for n in nodes], dtype=torch.int64, device=device)
+        levels.append(_Level(tokens, lengths.to(device), lengths, parents))
+        token_chunks += ranges
+    node_sequence = [i for members in by_depth for i in members]
+    in_place = node_sequence == list(range(len(layout.nodes)))
+    token_order = node_order = None
+    if not in_place:
+        token_order = torch.argsort(torch.cat(token_chunks)).to(device)
+        node_order = torch.argsort(torch.tensor(node_sequence)).to(device)
+    return _LevelPlan(tuple(levels), token_order, node_order)
+
+
+def run_by_level(run: VarlenRule, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, layout: PackedLayout,
+                 initial_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``run`` once per tree depth: the roots from ``initial_state``, then every deeper segment from
+    its parent's final state. Returns the outputs in packed order and the final states in segment
+    order. Autograd reaches a parent's state through the gather of its children's initial states,
+    so its gradient is their sum."""
+    plan = layout.derived(("gated_delta_rule_levels", q.device), lambda: _level_plan(layout, q.device))
+    outputs, finals = [], []
+    for level in plan.levels:
+        pick = ((lambda x: x[level.tokens]) if isinstance(level.tokens, slice)
+                else (lambda x: x.index_select(0, level.tokens)))
+        if level.parents is not None:
+            initial = finals[-1].index_select(0, level.parents)
+        elif initial_state is not None:
+            initial = initial_state.expand(len(level.cu_seqlens) - 1, *initial_state.shape).contiguous()
+        else:
+            initial = None
+        out, final = run(pick(q), pick(k), pick(v), pick(g), pick(beta), level.cu_seqlens, level.cu_seqlens_cpu,
+                         initial)
+        outputs.append(out)
+        finals.append(final)
+    out, final = torch.cat(outputs), torch.cat(finals)
+    if plan.token_order is not None:
+        out, final = out.index_select(0, plan.token_order), final.index_select(0, plan.node_order)
+    return out, final
+
+
+def _backend(q: Tensor, backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        usable = q.is_cuda and q.dtype in KERNEL_DTYPES and fla_installed()
+        return "fla" if usable else "reference"
+    if backend == "fla" and not fla_installed():
+        raise ValueError("backend 'fla' needs fla-core (pip install 'megatron-dualkv[hybrid]')")
+    return backend
+
+
+def fla_installed() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
+    """ValueError naming what fla's kernel cannot take."""
+    check_layout(layout)
+    tokens = layout.total_tokens
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t.shape[0] != tokens:
+            raise ValueError(f"{name} has {t.shape[0]} tokens, the layout {tokens}")
+    if q.shape != k.shape:
+        raise ValueError(f"k's shape {tuple(k.shape)} differs from q's {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"the fla backend takes {name} in bf16, fp16 or fp32, got {t.dtype} "
+                             "(float64 runs on the reference backend)")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != v.shape[:2]:
+            raise ValueError(f"{name} must be (tokens, value heads) = {tuple(v.shape[:2])}, got {tuple(t.shape)}")
+    if g.dtype != torch.float32:
+        raise ValueError(f"g (the log decay, summed over a chunk) must be float32, got {g.dtype}")
+    if initial_state is not None:
+        want = (v.shape[1], q.shape[2], v.shape[2])
+        if initial_state.shape != want:
+            raise ValueError(f"initial_state must be (value heads, Dk, Dv) = {want}, got {tuple(initial_state.shape)}")
+        if initial_state.dtype != torch.float32:
+            raise ValueError(f"the fla backend keeps states in float32; initial_state is {initial_state.dtype}")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale!r}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not t.is_cuda:
+            raise ValueError(f"the fla backend runs on CUDA; {name} is on {t.device}")
+
+
+def _l2_normed(x: Tensor) -> Tensor:
+    """x / sqrt(sum x^2 + 1e-6) over the last dim: transformers' and fla's l2norm."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
 def _check_inputs(q, k, v, g, beta, layout, scale, initial_state) -> float:
