@@ -30,9 +30,11 @@ def split_inputs(prompt_lens, response_lens, pad_len, hq, hkv, d, seed=0):
     return whole, (q, k, v, dout), torch.cat(prompt_rows), torch.cat(response_rows + pad_rows)
 
 
-def concatenated_and_prefixed(prompt_lens, response_lens, pad_len, hq, hkv, d, dtype, backend, seed=0, **kw):
-    """(reference on the whole layout restricted to the response rows, the prefix op): out, dq,
-    dk, dv of the response rows and d(prefix k), d(prefix v), all float64."""
+def concatenated_and_prefixed(prompt_lens, response_lens, pad_len, hq, hkv, d, dtype, backend, seed=0,
+                              device="cpu", **kw):
+    """(reference on the whole layout restricted to the response rows, the prefix op on ``device``):
+    out, dq, dk, dv of the response rows and d(prefix k), d(prefix v); the reference's in float64,
+    the op's on the CPU."""
     whole, (q, k, v, dout), prompt, rows = split_inputs(prompt_lens, response_lens, pad_len, hq, hkv, d, seed)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     # only response rows carry an output gradient: the prompt rows' own attention is not this op's
@@ -42,11 +44,12 @@ def concatenated_and_prefixed(prompt_lens, response_lens, pad_len, hq, hkv, d, d
     dq, dk, dv = torch.autograd.grad(out, x, dout * mask)
     want = (out[rows], dq[rows], dk[rows], dv[rows], dk[prompt], dv[prompt])
 
-    prefixed = PrefixedLayout(prompt_lens, response_lens, pad_len)
-    y = [t[rows].to(dtype).requires_grad_() for t in (q, k, v)] + [t[prompt].to(dtype).requires_grad_() for t in (k, v)]
+    prefixed = PrefixedLayout(prompt_lens, response_lens, pad_len).to(device)
+    y = ([t[rows].to(device, dtype).requires_grad_() for t in (q, k, v)]
+         + [t[prompt].to(device, dtype).requires_grad_() for t in (k, v)])
     out = dualkv_prefix_attn_func(*y, prefixed, backend=backend, **kw)
-    got = (out, *torch.autograd.grad(out, y, dout[rows].to(dtype)))
-    return got, want
+    got = (out, *torch.autograd.grad(out, y, dout[rows].to(device, dtype)))
+    return tuple(t.cpu() for t in got), want
 
 
 NAMES = ("out", "dq", "dk", "dv", "d prefix_k", "d prefix_v")
@@ -107,3 +110,18 @@ def test_triton_within_the_flash_bound(groups, pad_len, heads, d, window, softca
     for name, a, b, r in zip(NAMES, ours, same_precision, exact):
         assert torch.isfinite(a).all(), name
         assert_within_twice_the_reference_error(name, a, b, r, eps)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (None, 30.0)])
+def test_triton_on_the_gpu_within_the_flash_bound(d, window, softcap):
+    """The compiled kernels in bf16 on odd sizes: two groups, prompts over several key tiles,
+    responses that end mid-tile, padding, GQA 4."""
+    kw = dict(window_size=window, softcap=softcap, softmax_scale=0.8 / d**0.5)
+    lengths = (517, 200), ((129, 77, 300), (65,))
+    ours, exact = concatenated_and_prefixed(*lengths, 7, 8, 2, d, torch.bfloat16, "triton", device="cuda", **kw)
+    same_precision, _ = concatenated_and_prefixed(*lengths, 7, 8, 2, d, torch.bfloat16, "reference", device="cuda", **kw)
+    for name, a, b, r in zip(NAMES, ours, same_precision, exact):
+        assert torch.isfinite(a).all(), name
+        assert_within_twice_the_reference_error(name, a, b, r, 1e-3)

@@ -1,7 +1,8 @@
 """fla's chunked gated delta rule run once per tree level (``ops.gated_delta_rule``) on a GPU: on
 the packed layout in bf16, each trajectory's outputs and every input gradient within 2x the error
 that the same kernel makes on the replicated layout (each trajectory a sequence from zero state),
-both measured against the float64 reference recurrence."""
+both measured against the float64 reference recurrence; and, since a kernel bug would show on both
+layouts alike, within a few bf16 roundings of the float64 result outright."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,9 @@ from flash_check import assert_within_twice_the_reference_error
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fla_installed()), reason="needs a CUDA GPU and fla")
 
+# bf16 keeps 8 significant bits (0.4%); the chunked kernel rounds its inputs and intermediates, so a
+# few of those, not the O(1) of a wrong gradient
+BF16_TOLERANCE = 0.05
 LAYOUTS = [
     DualKVLayout((300,), ((100, 77, 129, 64),)),
     DualKVLayout((130, 70), ((50, 65), (33,)), pad_len=5),
@@ -68,3 +72,5 @@ def test_levels_within_twice_the_replicated_error(layout, heads, value_heads):
     for name, a, b, e in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), ours, replicated, exact):
         assert torch.isfinite(a).all(), name
         assert_within_twice_the_reference_error(name, a, b, e, eps=1e-3)
+        error, size = (a.double() - e).abs().max().item(), e.abs().max().item()
+        assert error <= BF16_TOLERANCE * size, f"{name}: {error:.3e} against a largest value of {size:.3e}"
