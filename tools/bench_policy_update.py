@@ -5,10 +5,10 @@ replicated layout with PyTorch SDPA (cuDNN backend).
     python tools/bench_policy_update.py --device cpu --tiny    # dry run of the same code: tiny cards, small groups
     python tools/bench_policy_update.py --models moe --update bench/policy_update_h200.csv   # re-measure one model
     python tools/bench_policy_update.py --full-depth --agent --models qwen3-4b --out bench/   # prefix trees (#31)
-    python tools/bench_policy_update.py --full-depth --models qwen3-4b --workloads 16x65536x2048 \
-        --layouts packed,reuse,replicated --transformer-engine off --out bench/             # prefix reuse (#41)
-    python tools/bench_policy_update.py --device cpu --tiny --full-depth --models qwen3-tiny --workloads 4x96x24 \
-        --layouts packed,reuse,replicated --budget-gib 0.0033   # dry run: a budget the whole group fits only recomputed
+    python tools/bench_policy_update.py --full-depth --models qwen3-4b --workloads 16x65536x2048 --layouts packed,reuse \\
+        --transformer-engine off --out bench/                                                  # prefix reuse (#41)
+    python tools/bench_policy_update.py --device cpu --tiny --full-depth --models qwen3-tiny --workloads 4x96x24 \\
+        --layouts packed,reuse,replicated --budget-gib 0.0033    # dry run: the whole group fits only recomputed
 
 Models: Qwen3-8B layer dimensions with ``--dense-layers`` layers and Qwen3-30B-A3B-dimension MoE
 layers (``--moe-layers``), full vocabulary, bf16 parameters with Megatron's fp32 main weights and
@@ -25,6 +25,7 @@ out of memory), then at that size the median step time over ``--repeats`` steps,
 second, model TFLOP/s (3x the forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU
 against the bf16 matmul rate measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG. Each
 model is measured in a process of its own (``measure_alone``).
+
 ``--layouts`` (``--full-depth``): ``packed`` and ``replicated`` as above (a group over the
 micro-batch runs as sub-groups that each carry the prompt), and ``reuse``: packed with prefix
 reuse (issue #41, ``rl.prefix_reuse``): a group over the micro-batch runs the prompt's forward once,
@@ -35,10 +36,13 @@ P + k R (the launch script's ``--max-tokens`` with ``--prefix-reuse on``); its u
 whole group's once. The speedup column: a ``packed`` row's is the replicated row's step time over
 its own, a ``reuse`` row's the ``packed`` row's over its own (prefix reuse against the sub-group
 split). Prefix reuse runs on the local layer spec: pass ``--transformer-engine off`` with a GPU
-that has Transformer Engine. Time: a step of Qwen3-4B at 16 x 131,072 x 4,096 is about 3.5e16 FLOPs
-prefix reused (its prompt's attention pairs dominate), a minute at 600 TFLOP/s, and the sub-group
-split adds the prompt once per extra sub-group; the replicated layout there (16 copies of the
-131,072-token prompt) is about 2.6e17 FLOPs, minutes per step: measure it at 65,536 only.
+that has Transformer Engine. Time and memory on one H200 (the memory and cost models, 8% margin):
+at 16 x 65,536 x 2,048 the whole group fits with selective recompute and 33 layers recomputed whole,
+prefix reuse ranks parts of 2 responses (32 layers) first, 1.3e16 FLOPs a step each (tens of
+seconds); the replicated layout 1.1e17 (minutes). At 16 x 131,072 x 4,096 no prefix-reuse setting
+fits (the held prompt's K/V copies and their gradients, 36 GiB under full recompute, beside the
+125 GiB of the split's 4 sub-groups), and the split takes 1.2e17 FLOPs a step, the replicated
+layout 4e17: measure those one layout per call, or not at all within a 10-minute limit.
 
 ``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
 theirs, with the matmul rate of their own run) and redraws its PNG.
