@@ -191,7 +191,7 @@ class Result:
     r: int
     layout: str
     micro_batch_responses: int = 0
-    micro_batch_tokens: int = 0  # of the largest micro-batch, in the layout's own tokens (replicated: every copy; reuse: a part with its held prompt)
+    micro_batch_tokens: int = 0  # of the largest micro-batch in the layout (replicated: every copy; reuse: a part and its held prompt)
     micro_batches: int = 0
     step_s: float = float("nan")
     tokens_per_s: float = float("nan")
