@@ -429,11 +429,12 @@ class MemoryModel:
         the held K/V are views of what its attention keeps, counted in the activations)."""
         config = self.config
         element = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
-        kv_heads = max(1, config.num_query_groups // self.sizes.tp)
-        row = kv_heads * config.kv_channels * element * prompt_tokens
         total = 0.0
         for layers in chunk_layers(config, self.sizes, pp_rank):
-            for layer_mode in layer_modes(mode, recompute_layers, layers):
+            for number, layer_mode in zip(layers, layer_modes(mode, recompute_layers, layers)):
+                # Gemma's full-attention layers hold their own heads and head dim
+                layer = _layer_config(config, number)
+                row = max(1, layer.num_query_groups // self.sizes.tp) * layer.kv_channels * element * prompt_tokens
                 total += row * {"none": 2, "selective": 3, "full": 4}[layer_mode]
         return total
 

@@ -407,7 +407,8 @@ def test_bench_halves_the_micro_batch_until_it_fits(bench, monkeypatch):
     """The GPU-only search for the largest micro-batch, with a step that runs out of memory above 4 responses."""
     calls = []
 
-    def step(policy, groups, loss_fn, max_tokens, layout):
+    def step(policy, groups, loss_fn, max_tokens, layout, prefix_reuse):
+        assert not prefix_reuse
         calls.append(max_tokens)
         if max_tokens > 100 + 4 * 10:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -510,18 +511,65 @@ def test_bench_update_replaces_only_the_rows_of_the_models_measured(bench, tmp_p
     assert "--memory-margin must be in [0, 1), got 1.5" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("layout", ["packed", "replicated"])
-def test_bench_ranks_settings_by_the_flops_the_step_counts(bench, script, layout):
+@pytest.mark.parametrize("layout, parts", [("packed", 1), ("replicated", 1), ("reuse", 2)])
+def test_bench_ranks_settings_by_the_flops_the_step_counts(bench, script, layout, parts):
     """--full-depth's ranking counts a setting's useful FLOPs as the step does: the output layer on
-    the rows that predict a trained token (an independent count: the step's, from its packed batch)."""
+    the rows that predict a trained token (an independent count: the step's, from its packed batch);
+    prefix reuse's parts count the prompt once, as the whole group does."""
     memory, cost, _ = bench.planning_models("qwen3-tiny", SimpleNamespace(dtype="float32", device="cpu", memory_margin=0.08,
-                                                                   transformer_engine="off", fp8="off"))
+                                                                   transformer_engine="off", fp8="off", budget_gib=None))
     n, p, r = 4, 96, 24
-    whole = [s for s in bench.candidate_settings(memory, cost, 1e12, (n, p, r), layout) if s.responses == n]
+    k = n // parts
+    (setting,) = [s for s in bench.candidate_settings(memory, cost, 1e12, (n, p, r), layout) if s.responses == k]
     group = bench.rollout_group(n, p, r, memory.vocab_size, seed=1)
-    minis = script.plan_mini_batches([group], 1, n * (p + r), torch.zeros(n))
-    assert len(whole) == 1 and minis[0].plan.num_micro_batches == 1
-    assert whole[0].useful_flops == pytest.approx(bench.STEP_PASSES * script._forward_flops(cost, minis, layout))
+    minis = script.plan_mini_batches([group], 1, p + k * r, torch.zeros(n), prefix_reuse=layout == "reuse")
+    assert minis[0].plan.num_micro_batches == parts
+    step_layout = "replicated" if layout == "replicated" else "packed"
+    assert setting.useful_flops == pytest.approx(bench.STEP_PASSES * script._forward_flops(cost, minis, step_layout))
+    if layout == "reuse":
+        whole = bench.candidate_settings(memory, cost, 1e12, (n, p, r), "packed")[0]
+        assert (whole.responses, setting.useful_flops) == (n, pytest.approx(whole.useful_flops))
+
+
+def test_bench_reuse_predicts_what_the_launch_script_does(script, bench):
+    """Qwen3-4B at 16 x 65,536 x 2,048 within an H200 less 8%: the benchmark's prefix-reuse setting,
+    passed to the launch script as --max-tokens and --recompute with --prefix-reuse, is predicted the
+    same peak (the held prompt counted alike); the sub-group split at the same budget holds no prompt."""
+    n, p, r = 16, 65536, 2048
+    budget = 0.92 * 140.4 * GIB
+    memory = MemoryModel.for_card("qwen3-4b")
+    best = bench.candidate_settings(memory, CostModel.from_config(memory.config, memory.vocab_size), budget, (n, p, r),
+                                    "reuse")[0]
+    assert best.responses < n and best.predicted_gib * GIB <= budget
+    for reuse in (True, False):
+        args = script.parse_args(["--model", "qwen3-4b", "--max-tokens", str(p + best.responses * r), "--recompute",
+                                  best.recompute, "--recompute-layers", str(best.recompute_layers), "--global-batch-size", "1"])
+        args.prefix_reuse = reuse  # as resolve_prefix_reuse leaves it
+        fit = script.fit_within(args, [bench.rollout_group(n, p, r, 64, seed=n)], budget)
+        assert ("held prompt" in fit.estimate.parts) == reuse
+    assert fit.estimate.total_gib < best.predicted_gib
+
+
+def test_bench_full_depth_prefix_reuse_dry_run(bench, tmp_path, monkeypatch, capsys):
+    """--layouts packed,reuse,replicated on the tiny card, a budget under which the whole group fits
+    only with full recompute: the reuse row runs the group in prefix-reuse parts, its speedup over the
+    packed row is finite; --workloads takes any NxPxR, and bad ones or reuse without --full-depth are refused."""
+    monkeypatch.setattr(bench, "plot", lambda results, path, baseline: None)  # needs matplotlib
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the tool refuses the CPU where there is a GPU
+    bench.main(["--device", device, "--tiny", "--full-depth", "--models", "qwen3-tiny", "--repeats", "1",
+                "--layouts", "packed,reuse,replicated", "--workloads", "4x96x24", "--budget-gib", "0.0033",
+                "--out", str(tmp_path)])
+    packed, reuse, replicated = bench.read_results(tmp_path / "policy_update_full_depth.csv")
+    assert [row.layout for row in (packed, reuse, replicated)] == ["packed", "reuse", "replicated"]
+    assert (packed.micro_batch_responses, packed.recompute) == (4, "full")
+    assert (reuse.micro_batch_responses, reuse.micro_batches, reuse.max_tokens) == (2, 2, 96 + 2 * 24)
+    assert reuse.speedup == pytest.approx(packed.step_s / reuse.step_s) and math.isfinite(reuse.speedup)
+    assert reuse.tokens_per_s > 0 and reuse.recompute_flops == 0.0
+    for flags, error in ((["--workloads", "4x96"], "'4x96' is not NxPxR"),
+                         (["--layouts", "packed,reuse"], "--layouts reuse: prefix reuse runs with --full-depth")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cpu", "--tiny", *flags])
+        assert error in capsys.readouterr().err
 
 
 def test_bench_profile_counts_overlapping_kernels_once(bench):

@@ -185,6 +185,10 @@ def test_memory_model_counts_the_held_prompt(mode, rows):
     estimate = memory.predict(160, recompute=mode, held_prompt_tokens=100)
     assert estimate.parts["held prompt"] == rows * per_row
     assert estimate.total == memory.predict(160, recompute=mode).total + rows * per_row
+    gemma = MemoryModel.for_card("gemma4-tiny", dtype=torch.bfloat16)  # full-attention layers: their own K/V shape
+    layers = [gemma.config.for_layer(n) for n in range(1, gemma.config.num_layers + 1)]
+    assert len({(layer.num_query_groups, layer.kv_channels) for layer in layers}) == 2
+    assert gemma.held_prompt_bytes(100, mode) == rows * 2 * 100 * sum(l.num_query_groups * l.kv_channels for l in layers)
 
 
 def test_gated_deltanet_layers_are_named():

@@ -5,6 +5,10 @@ replicated layout with PyTorch SDPA (cuDNN backend).
     python tools/bench_policy_update.py --device cpu --tiny    # dry run of the same code: tiny cards, small groups
     python tools/bench_policy_update.py --models moe --update bench/policy_update_h200.csv   # re-measure one model
     python tools/bench_policy_update.py --full-depth --agent --models qwen3-4b --out bench/   # prefix trees (#31)
+    python tools/bench_policy_update.py --full-depth --models qwen3-4b --workloads 16x65536x2048 --layouts packed,reuse \\
+        --transformer-engine off --out bench/                                                  # prefix reuse (#41)
+    python tools/bench_policy_update.py --device cpu --tiny --full-depth --models qwen3-tiny --workloads 4x96x24 \\
+        --layouts packed,reuse,replicated --budget-gib 0.0033    # dry run: the whole group fits only recomputed
 
 Models: Qwen3-8B layer dimensions with ``--dense-layers`` layers and Qwen3-30B-A3B-dimension MoE
 layers (``--moe-layers``), full vocabulary, bf16 parameters with Megatron's fp32 main weights and
@@ -21,6 +25,25 @@ out of memory), then at that size the median step time over ``--repeats`` steps,
 second, model TFLOP/s (3x the forward FLOPs of the layout run, ``megatron_dualkv.CostModel``), MFU
 against the bf16 matmul rate measured at the start of the same run, and peak memory. Prints a table, writes CSV and PNG. Each
 model is measured in a process of its own (``measure_alone``).
+
+``--layouts`` (``--full-depth``): ``packed`` and ``replicated`` as above (a group over the
+micro-batch runs as sub-groups that each carry the prompt), and ``reuse``: packed with prefix
+reuse (issue #41, ``rl.prefix_reuse``): a group over the micro-batch runs the prompt's forward once,
+then parts of k responses against its held K/V, then the prompt's backward once. Its settings are
+parts of k = N, N/2, ..., 1 responses (k = N: the whole group, as ``packed``), each with the least
+recompute under which the held prompt and a part fit, the step's ``max_tokens`` the part's budget
+P + k R (the launch script's ``--max-tokens`` with ``--prefix-reuse on``); its useful FLOPs are the
+whole group's once. The speedup column: a ``packed`` row's is the replicated row's step time over
+its own, a ``reuse`` row's the ``packed`` row's over its own (prefix reuse against the sub-group
+split). Prefix reuse runs on the local layer spec: pass ``--transformer-engine off`` with a GPU
+that has Transformer Engine. Time and memory on one H200 (the memory and cost models, 8% margin):
+at 16 x 65,536 x 2,048 the whole group fits with selective recompute and 33 layers recomputed whole,
+prefix reuse ranks parts of 2 responses (32 layers) first, 1.3e16 FLOPs a step each (tens of
+seconds); the replicated layout 1.1e17 (minutes). At 16 x 131,072 x 4,096 no prefix-reuse setting
+fits (the held prompt's K/V copies and their gradients, 36 GiB under full recompute, beside the
+125 GiB of the split's 4 sub-groups), and the split takes 1.2e17 FLOPs a step, the replicated
+layout 4e17: measure those one layout per call, or not at all within a 10-minute limit.
+
 ``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
 theirs, with the matmul rate of their own run) and redraws its PNG.
 
@@ -63,7 +86,9 @@ TINY_WORKLOADS = [(4, 96, 24), (8, 96, 12)]
 FULL_DEPTH = {
     "qwen3-4b": [(16, 8192, 1024), (32, 8192, 512), (8, 32768, 1024)],
     "gemma3-4b": [(16, 8192, 1024), (32, 8192, 512)],
+    "qwen3_5-4b": [(16, 8192, 1024)],  # Gated DeltaNet layers: needs the memory model to count them
 }
+LAYOUTS = ("packed", "reuse", "replicated")
 # The step's forward-pass equivalents: forward and backward of its one update (no behaviour pass).
 STEP_PASSES = 3
 TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)]}
@@ -71,6 +96,17 @@ TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)]}
 AGENT = (4096, 4, 4, 512, 512)
 TINY_AGENT = (48, 2, 3, 8, 8)
 CPU_BUDGET_GIB = 8.0  # the dry run's stand-in for the device's memory
+
+
+def workload_list(text: str) -> List[Tuple[int, int, int]]:
+    """--workloads: "NxPxR,..." as (N, P, R) tuples of positive ints."""
+    workloads = []
+    for name in text.split(","):
+        sizes = name.split("x")
+        if len(sizes) != 3 or not all(x.isdigit() and int(x) > 0 for x in sizes):
+            raise argparse.ArgumentTypeError(f"{name!r} is not NxPxR (three positive ints, e.g. 16x65536x2048)")
+        workloads.append(tuple(map(int, sizes)))
+    return workloads
 
 
 def model_workloads(args):
@@ -107,13 +143,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--update", type=Path, metavar="CSV",
                         help="instead of writing into --out: replace the measured models' rows of this table")
     add_layer_spec_flags(parser)  # the launch script's flags; the table's spec column
-    parser.add_argument("--workloads", default=None,
-                        help="comma list of the model's workloads to measure, as NxPxR (default: all of them)")
+    parser.add_argument("--workloads", type=workload_list, default=None,
+                        help="comma list of workloads to measure, as NxPxR, e.g. 16x131072x4096 (default: the model's)")
     parser.add_argument("--layouts", default="packed,replicated",
-                        help="--full-depth: the layouts to measure (comma list; the speedup needs both)")
+                        help="--full-depth: the layouts to measure, of packed, reuse (packed with prefix reuse) and "
+                             "replicated (comma list; a speedup needs its row's reference layout too: module docstring)")
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="--full-depth: the memory the settings are ranked within, in GiB (default: the device's "
+                             f"memory less --memory-margin; the CPU dry run's stand-in: {CPU_BUDGET_GIB:g})")
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
-    args.layouts = comma_names(parser, "--layouts", args.layouts, ("packed", "replicated"))
+    args.layouts = comma_names(parser, "--layouts", args.layouts, LAYOUTS)
     workloads = model_workloads(args)
     args.model_names = comma_names(parser, "--models", args.models or ",".join(workloads), workloads)
     if args.update is not None and not args.update.is_file():
@@ -124,6 +164,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(margin_problem)
     if args.agent and (not args.full_depth or args.profile):
         parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
+    if "reuse" in args.layouts and (not args.full_depth or args.agent):
+        parser.error("--layouts reuse: prefix reuse runs with --full-depth on rollout groups (no --agent)")
     if len(args.model_names) == 1 and args.device == "cpu" and torch.cuda.is_available():
         parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
     return args
@@ -133,7 +175,8 @@ if __name__ == "__main__":
     parse_args()  # bad flags are refused before the imports below, which take seconds
 
 import grpo_policy_update as policy_update  # noqa: E402
-from megatron_dualkv import CostModel, DualKVLayout, RolloutGroup, Trajectory, plan_micro_batches  # noqa: E402
+from megatron_dualkv import (CostModel, DualKVLayout, PackedLayout, PrefixedLayout, RolloutGroup, Trajectory,  # noqa: E402
+                             plan_micro_batches)
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
@@ -148,14 +191,14 @@ class Result:
     r: int
     layout: str
     micro_batch_responses: int = 0
-    micro_batch_tokens: int = 0  # of the largest micro-batch, in the layout's own tokens (replicated: every copy)
+    micro_batch_tokens: int = 0  # of the largest micro-batch in the layout (replicated: every copy; reuse: a part and its held prompt)
     micro_batches: int = 0
     step_s: float = float("nan")
     tokens_per_s: float = float("nan")
     tflops: float = float("nan")
     mfu: float = float("nan")
     peak_gib: float = float("nan")
-    speedup: float = float("nan")
+    speedup: float = float("nan")  # packed: over replicated; reuse: over packed (module docstring)
     matmul_peak_tflops: float = float("nan")  # of the run that measured this row
     recompute: str = "none"
     recompute_layers: int = 0  # fully recomputed layers per stage on top of "selective" (0: none)
@@ -216,11 +259,16 @@ def free_memory() -> None:
 
 def run_steps(policy, group, layout: str, max_tokens: int, repeats: int):
     """A warm-up step (compilation, optimizer state, the fit probe), then ``repeats`` timed ones;
-    ``group``: a RolloutGroup, or the step's trajectories."""
+    ``group``: a RolloutGroup, or the step's trajectories; ``layout`` "reuse": packed with prefix reuse."""
     loss_fn = policy_update.LOSSES["grpo"]
     rollouts = [group] if isinstance(group, RolloutGroup) else group
-    policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, layout)
-    return [policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, layout) for _ in range(repeats)]
+    step_layout, reuse = ("packed", True) if layout == "reuse" else (layout, False)
+
+    def step():
+        return policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, step_layout, prefix_reuse=reuse)
+
+    step()
+    return [step() for _ in range(repeats)]
 
 
 def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tflops: float, result: Result) -> Result:
@@ -242,8 +290,8 @@ def measured(result: Result, k: int, steps, peak_tflops: float) -> Result:
     p, r = result.p, result.r
     seconds = statistics.median(s.seconds for s in steps)
     result.micro_batch_responses = k
-    result.micro_batch_tokens = p + k * r if result.layout == "packed" else k * (p + r)
-    result.max_tokens = p + k * r  # both layouts plan by packed tokens
+    result.micro_batch_tokens = k * (p + r) if result.layout == "replicated" else p + k * r
+    result.max_tokens = p + k * r  # every layout plans by packed tokens
     result.micro_batches = steps[0].micro_batches
     result.step_s = seconds
     result.tokens_per_s = steps[0].rollout_tokens / seconds
@@ -338,13 +386,17 @@ class Setting:
         return self.useful_flops + self.recompute_flops
 
 
-def micro_batch_layouts(n: int, p: int, r: int, k: int, layout: str) -> List[DualKVLayout]:
-    """The micro-batches of one group of n responses at k responses per micro-batch: sub-groups that
-    each carry the prompt (packed), or k sequences [P][R_i] (replicated)."""
+def micro_batch_layouts(n: int, p: int, r: int, k: int, layout: str) -> List[Tuple[PackedLayout, int]]:
+    """The forward passes of one group of n responses at k responses per micro-batch, each with its
+    rows that predict a trained token: sub-groups that each carry the prompt (packed), k sequences
+    [P][R_i] (replicated), or the prompt's own forward then parts of k responses against it (reuse;
+    at k = n the whole group, as packed)."""
     sizes = [min(k, n - i) for i in range(0, n, k)]
-    if layout == "packed":
-        return [DualKVLayout((p,), ((r,) * m,)) for m in sizes]
-    return [DualKVLayout((p + r,) * m, ((),) * m) for m in sizes]
+    if layout == "replicated":
+        return [(DualKVLayout((p + r,) * m, ((),) * m), m * r) for m in sizes]
+    if layout == "reuse" and k < n:
+        return [(DualKVLayout((p,), ((),)), 0)] + [(PrefixedLayout((p,), ((r,) * m,)), m * r) for m in sizes]
+    return [(DualKVLayout((p,), ((r,) * m,)), m * r) for m in sizes]
 
 
 def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, workload, layout: str) -> List[Setting]:
@@ -356,20 +408,21 @@ def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, work
     k = n
     while k >= 1:
         mbs = micro_batch_layouts(n, p, r, k, layout)
-        tokens = mbs[0].total_tokens
+        # reuse: a part's activations with those of its held prompt's forward, which live until its backward
+        tokens = k * (p + r) if layout == "replicated" else p + k * r
+        shape = dict(num_micro_batches=len(mbs), layout="replicated" if layout == "replicated" else "packed",
+                     held_prompt_tokens=p if layout == "reuse" and k < n else 0)
         try:
-            fit = memory.fit(budget, tokens, predicting_fraction=k * r / tokens, num_micro_batches=len(mbs), layout=layout)
+            fit = memory.fit(budget, tokens, predicting_fraction=k * r / tokens, **shape)
         except ValueError:
             k //= 2
             continue
         recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
-        prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
+        prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, **shape)
         settings.append(Setting(
             k, fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
-            # each response (replicated: each sequence) predicts its r tokens
-            useful_flops=sum(STEP_PASSES * cost.layout_flops(mb, predicting_rows=r * (mb.num_responses or mb.num_groups))
-                             for mb in mbs),
-            recompute_flops=sum(recomputed * cost.layer_flops(mb, layers) for mb in mbs),
+            useful_flops=sum(STEP_PASSES * cost.layout_flops(mb, predicting_rows=rows) for mb, rows in mbs),
+            recompute_flops=sum(recomputed * cost.layer_flops(mb, layers) for mb, _ in mbs),
         ))
         k //= 2
     return sorted(settings, key=lambda s: (s.executed_flops, -s.responses))
@@ -396,26 +449,33 @@ def planning_models(card: str, args):
     memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype],
                                   transformer_engine=layer_spec(args, card)[0],
                                   fp8=args.fp8 != "off")
-    budget = device_budget(margin=args.memory_margin) if args.device == "cuda" else CPU_BUDGET_GIB * GIB
+    if args.budget_gib is not None:
+        budget = args.budget_gib * GIB
+    else:
+        budget = device_budget(margin=args.memory_margin) if args.device == "cuda" else CPU_BUDGET_GIB * GIB
     return memory, CostModel.from_config(memory.config, memory.vocab_size), budget
 
 
 def bench_full_depth(card: str, workloads, args, peak_tflops: float) -> List[Result]:
-    """Every workload on both layouts, each at the first setting of ``candidate_settings`` that runs."""
+    """Every workload on each of ``--layouts``, each at the first setting of ``candidate_settings`` that runs."""
     memory, cost, budget = planning_models(card, args)
+    if "reuse" in args.layouts and layer_spec(args, card)[0]:
+        raise SystemExit(f"--layouts reuse: prefix reuse runs on the local layer spec only, and {card} would build "
+                         "Transformer Engine's here; pass --transformer-engine off (for every layout, to compare them)")
     vocab_size = load_card(card).config["vocab_size"]
     policies = PolicyCache(card, args)
     results = []
     for n, p, r in workloads:
         group = rollout_group(n, p, r, vocab_size, seed=n)
-        pair = [run_best_setting(policies, memory, cost, group, Result(card, memory.config.num_layers, n, p, r, layout),
-                                 budget, repeats, peak_tflops)
-                for layout, repeats in (("packed", args.repeats), ("replicated", args.replicated_repeats or args.repeats))
-                if layout in args.layouts]
-        if len(pair) == 2:
-            pair[0].speedup = pair[1].step_s / pair[0].step_s
-        results += pair
-        for result in pair:
+        rows = {layout: run_best_setting(policies, memory, cost, group, Result(card, memory.config.num_layers, n, p, r, layout),
+                                         budget, args.replicated_repeats or args.repeats if layout == "replicated"
+                                         else args.repeats, peak_tflops)
+                for layout in LAYOUTS if layout in args.layouts}
+        for layout, reference in (("packed", "replicated"), ("reuse", "packed")):
+            if layout in rows and reference in rows:
+                rows[layout].speedup = rows[reference].step_s / rows[layout].step_s
+        results += rows.values()
+        for result in rows.values():
             print(row(result), flush=True)
     return results
 
@@ -571,11 +631,13 @@ def plot(results: List[Result], path: Path, baseline: str) -> None:
 
     labels = sorted({(r.name, r.n, r.p, r.r) for r in results}, key=str)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.38
-    for offset, layout in ((-width / 2, "packed"), (width / 2, "replicated")):
+    layouts = [layout for layout in LAYOUTS if any(r.layout == layout for r in results)]
+    width = 0.8 / len(layouts)
+    names = {"packed": "DualKV packed", "reuse": "DualKV packed, prefix reuse", "replicated": f"replicated, {baseline}"}
+    for i, layout in enumerate(layouts):
         by_label = {(r.name, r.n, r.p, r.r): r for r in results if r.layout == layout}
-        xs = [i + offset for i in range(len(labels))]
-        name = "DualKV packed" if layout == "packed" else f"replicated, {baseline}"
+        xs = [j + (i - (len(layouts) - 1) / 2) * width for j in range(len(labels))]
+        name = names[layout]
         missing = Result("", 0, 0, 0, 0, layout)  # a layout not measured: no bar
         axes[0].bar(xs, [by_label.get(label, missing).tokens_per_s for label in labels], width, label=name)
         axes[1].bar(xs, [100 * by_label.get(label, missing).mfu for label in labels], width, label=name)
@@ -593,7 +655,8 @@ def model_flags(args, name: str, out: Path) -> List[str]:
              "--repeats", str(args.repeats), "--models", name, "--out", str(out),
              "--memory-margin", str(args.memory_margin), "--transformer-engine", args.transformer_engine,
              "--fp8", args.fp8, "--layouts", ",".join(args.layouts)] + (
-                 ["--workloads", args.workloads] if args.workloads else [])
+                 ["--workloads", ",".join("x".join(map(str, w)) for w in args.workloads)] if args.workloads else [])
+    flags += ["--budget-gib", str(args.budget_gib)] if args.budget_gib is not None else []
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
         "--agent"] * args.agent + ["--verbose"] * args.verbose
@@ -631,9 +694,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         card, layers = (name, None) if args.full_depth else models[name]
         if not args.full_depth:
             card = layer_card(card, layers, Path(tmp))
-        workloads = models[name] if args.full_depth else (TINY_WORKLOADS if args.tiny else WORKLOADS)
-        if args.workloads:
-            workloads = [w for w in workloads if "x".join(map(str, w)) in args.workloads]
+        workloads = args.workloads or (models[name] if args.full_depth else TINY_WORKLOADS if args.tiny else WORKLOADS)
         if args.profile:
             setting = candidate_settings(*planning_models(card, args), workloads[0], "packed") if args.full_depth else None
             profile_step(card, workloads[0], args, setting[0] if setting else None)
