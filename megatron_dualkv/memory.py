@@ -17,10 +17,11 @@ of model dimensions, a dtype, and how tensor and sequence parallelism split it. 
 them: "selective" the norm outputs and MLP activations that the next linear saves and the rotated q
 and k with what the q/k norms and RoPE keep (all recomputed from tensors that stay; under FP8 the
 q and k only, ``recompute_config_kwargs``), a fully
-recomputed layer everything but its input. A Gated DeltaNet layer (the hybrids) keeps what its GPU
-path and fla's chunked kernel save (``_gated_delta_net_tensors``), not yet measured on a GPU. The counts were read off the code and measured on the
+recomputed layer everything but its input. The counts were read off the code and measured on the
 H200 (PERF_NOTES.md, session 19: one layer within 3.5%, ten whole steps' peaks within -0.2% to +7.2%);
 a change to a spec that saves other tensors must change them too (``tests/test_memory_gpu.py``).
+A Gated DeltaNet layer (the hybrids) keeps what its GPU path and fla's chunked kernel save
+(``_gated_delta_net_tensors``): read off their code, not yet measured on a GPU.
 """
 from __future__ import annotations
 
