@@ -351,13 +351,10 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     sizes = ParallelSizes(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     world = int(os.environ.get("WORLD_SIZE", 1))
     dp = max(1, world // sizes.model_ranks)
-    try:
-        memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
-                                      dp=dp, distributed_optimizer=args.use_distributed_optimizer,
-                                      ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
-                                      fp8=args.fp8 != "off")
-    except NotImplementedError as err:
-        raise InputError(f"--recompute auto / --max-tokens auto: {err}") from None
+    memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
+                                  dp=dp, distributed_optimizer=args.use_distributed_optimizer,
+                                  ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
+                                  fp8=args.fp8 != "off")
     whole, longest, responses = packed_sizes(groups)
     replicated, multiple = args.layout == "replicated", micro_batch_token_multiple(sizes, args.fp8 != "off")
     if replicated:

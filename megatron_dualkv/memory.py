@@ -20,6 +20,8 @@ q and k only, ``recompute_config_kwargs``), a fully
 recomputed layer everything but its input. The counts were read off the code and measured on the
 H200 (PERF_NOTES.md, session 19: one layer within 3.5%, ten whole steps' peaks within -0.2% to +7.2%);
 a change to a spec that saves other tensors must change them too (``tests/test_memory_gpu.py``).
+A Gated DeltaNet layer (the hybrids) keeps what its GPU path and fla's chunked kernel save
+(``_gated_delta_net_tensors``): read off their code, not yet measured on a GPU.
 """
 from __future__ import annotations
 
@@ -69,10 +71,23 @@ def _keys_are_values(config, layer_number: int) -> bool:
 def layer_parameters(config, layer_number: int, sizes: ParallelSizes) -> ParameterCounts:
     """One decoder layer's parameters on one rank (``layer_number`` 1-based, as Megatron numbers them)."""
     h, d = config.hidden_size, _layer_config(config, layer_number).kv_channels
-    norms = 2 * h + (2 * d if config.qk_layernorm else 0) + (2 * h if _has_post_norms(config) else 0)
+    norms = 2 * h + (2 * h if _has_post_norms(config) else 0)
+    split = 0
+    if _is_gated_delta_net(config, layer_number):
+        gdn = _GatedDeltaNetWidths.of(config)
+        # every rank holds the gated norm's weight whole (its heads share it); the conv and the
+        # per-value-head decay parameters are split with the heads
+        norms += config.linear_value_head_dim
+        split = gdn.conv * config.linear_conv_kernel_dim + 2 * gdn.value_heads
+    elif config.qk_layernorm:
+        norms += 2 * d
     linears = layer_linear_parameters(config, layer_number, sizes)
-    router = config.num_moe_experts * h if moe_layer_flags(config)[layer_number - 1] else 0
-    return linears + ParameterCounts(dense=norms + router)
+    router = 0
+    if moe_layer_flags(config)[layer_number - 1]:
+        router = config.num_moe_experts * h
+        if config.moe_shared_expert_intermediate_size and getattr(config, "moe_shared_expert_gate", False):
+            router += h  # the shared expert's sigmoid gate, one row
+    return linears + ParameterCounts(dense=norms + router + split // sizes.tp)
 
 
 def layer_linear_parameters(config, layer_number: int, sizes: ParallelSizes) -> ParameterCounts:
@@ -80,18 +95,50 @@ def layer_linear_parameters(config, layer_number: int, sizes: ParallelSizes) -> 
     linears quantize under FP8); no norms, no MoE router."""
     layer = _layer_config(config, layer_number)
     h, d = config.hidden_size, layer.kv_channels
-    q, kv = layer.num_attention_heads * d, layer.num_query_groups * d
-    kv_projections = 1 if _keys_are_values(config, layer_number) else 2
-    qkv = h * (q + kv_projections * kv) + (q + kv_projections * kv if config.add_qkv_bias else 0)
-    attention = qkv + q * h + (h if config.add_bias_linear else 0)
+    if _is_gated_delta_net(config, layer_number):
+        gdn = _GatedDeltaNetWidths.of(config)
+        mixer = h * gdn.in_proj + gdn.values * h
+    else:
+        q, kv = layer.num_attention_heads * d, layer.num_query_groups * d
+        gate = q if getattr(config, "attention_output_gate", False) else 0
+        kv_projections = 1 if _keys_are_values(config, layer_number) else 2
+        qkv = h * (q + gate + kv_projections * kv) + (q + kv_projections * kv if config.add_qkv_bias else 0)
+        mixer = qkv + q * h + (h if config.add_bias_linear else 0)
     gated = 2 if config.gated_linear_unit else 1
     if moe_layer_flags(config)[layer_number - 1]:
         f = config.moe_ffn_hidden_size
         experts = config.num_moe_experts * (gated + 1) * h * f
         shared = (gated + 1) * h * (config.moe_shared_expert_intermediate_size or 0)
-        return ParameterCounts(dense=(attention + shared) // sizes.tp, expert=experts // (sizes.ep * sizes.etp))
+        return ParameterCounts(dense=(mixer + shared) // sizes.tp, expert=experts // (sizes.ep * sizes.etp))
     mlp = (gated + 1) * h * config.ffn_hidden_size
-    return ParameterCounts(dense=(attention + mlp) // sizes.tp)
+    return ParameterCounts(dense=(mixer + mlp) // sizes.tp)
+
+
+def _is_gated_delta_net(config, layer_number: int) -> bool:
+    """A hybrid model's (Qwen3.5, Qwen3-Next) linear-attention layer, ``mcore.gated_delta_net``."""
+    is_linear = getattr(config, "is_linear_attention", None)
+    return bool(is_linear and is_linear(layer_number))
+
+
+@dataclass(frozen=True)
+class _GatedDeltaNetWidths:
+    """A GDN layer's widths per token over all its heads (``DualKVGatedDeltaNet``; tp splits each)."""
+
+    key_heads: int
+    value_heads: int
+    conv: int  # the short conv's channels: q and k of every key head, v of every value head
+    values: int  # value heads x value head dim: o, the gate z, out_proj's input
+
+    @classmethod
+    def of(cls, config) -> "_GatedDeltaNetWidths":
+        key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        values = value_heads * config.linear_value_head_dim
+        return cls(key_heads, value_heads, 2 * key_heads * config.linear_key_head_dim + values, values)
+
+    @property
+    def in_proj(self) -> int:
+        """in_proj's rows: the conv channels, then z, b and a."""
+        return self.conv + self.values + 2 * self.value_heads
 
 
 def _has_post_norms(config) -> bool:
@@ -165,63 +212,133 @@ def layer_tensors(config, layer_number: int, layout: str = "packed", transformer
     tensors = _layer_tensors(config, layer_number, layout, transformer_engine)
     if fp8:
         tensors = [t.under_fp8() for t in tensors]
-        heads_d = _layer_config(config, layer_number).num_attention_heads * _layer_config(config, layer_number).kv_channels
-        tensors.append(SavedTensor("linear_proj's FP8 copy of the attention output", heads_d, 1))
+        if _is_gated_delta_net(config, layer_number):
+            tensors.append(SavedTensor("out_proj's FP8 copy of its input", _GatedDeltaNetWidths.of(config).values, 1))
+        else:
+            layer = _layer_config(config, layer_number)
+            tensors.append(SavedTensor("linear_proj's FP8 copy of the attention output",
+                                       layer.num_attention_heads * layer.kv_channels, 1))
     return tensors
 
 
 def _layer_tensors(config, layer_number: int, layout: str, transformer_engine: bool) -> List[SavedTensor]:
-    layer = _layer_config(config, layer_number)
-    h, d = config.hidden_size, layer.kv_channels
-    heads, groups = layer.num_attention_heads, layer.num_query_groups
+    h = config.hidden_size
     b = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
-    values = 0 if _keys_are_values(config, layer_number) else groups
     tensors = [
         SavedTensor("input norm: its input (the residual stream)", h, b, "seq"),
-        SavedTensor("input norm: its output, linear_qkv's input", h, b, "seq", "recompute_norms", kept_in_fp8=True),
+        SavedTensor("input norm: its output, the mixer's input", h, b, "seq", "recompute_norms", kept_in_fp8=True),
+    ]
+    if _is_gated_delta_net(config, layer_number):
+        tensors += _gated_delta_net_tensors(config, b)
+    else:
+        tensors += _attention_tensors(config, layer_number, layout, b)
+    if _has_post_norms(config):
+        tensors.append(SavedTensor("post-attention and post-feedforward norms: their inputs", 2 * h, b, "seq"))
+    moe = moe_layer_flags(config)[layer_number - 1]
+    tensors += [
+        SavedTensor("pre-MLP norm: its input", h, b, "seq"),
+        # a dense MLP's fc1 keeps its own FP8 copy; the router and the routed experts read it in bf16
+        SavedTensor("pre-MLP norm: its output, the MLP's (router's) input", h, b, "seq", "recompute_norms",
+                    kept_in_fp8=not moe),
+    ]
+    return tensors + (_moe_tensors(config, transformer_engine, b) if moe else _mlp_tensors(config, b))
+
+
+def _attention_tensors(config, layer_number: int, layout: str, b: int) -> List[SavedTensor]:
+    layer = _layer_config(config, layer_number)
+    d, heads, groups = layer.kv_channels, layer.num_attention_heads, layer.num_query_groups
+    values = 0 if _keys_are_values(config, layer_number) else groups
+    gated = getattr(config, "attention_output_gate", False)
+    gates = heads if gated else 0
+    tensors = [
         # Megatron's query reshape copies q out of linear_qkv's output; k and v stay views of it,
         # so the k norm's saved input keeps the whole output alive. "selective" recomputes q and k
         # (reshape, norm, RoPE) from their views of that output, which v keeps alive anyway.
         SavedTensor("q norm: its input, a copy of q", heads * d, b, "tp", "recompute_qk_norm_rope"),
-        SavedTensor("k norm: its input, a view of linear_qkv's output (q, k, v)", (heads + groups + values) * d, b),
+        SavedTensor("k norm: its input, a view of linear_qkv's output (q, its gates, k, v)",
+                    (heads + gates + groups + values) * d, b),
         SavedTensor("RoPE cos/sin of q and k", 4 * d, b, "none", "recompute_qk_norm_rope"),
         SavedTensor("attention: q and k after RoPE", (heads + groups) * d, b, "tp", "recompute_qk_norm_rope"),
-        SavedTensor("attention: its output, linear_proj's input", heads * d, b),
+        SavedTensor("attention: its output (without an output gate linear_proj's input)", heads * d, b),
         SavedTensor("q and k norm statistics (fp32)", heads + groups, 4, "tp", "recompute_qk_norm_rope"),
         SavedTensor("input and pre-MLP norm statistics, the attention's log-sum-exp (fp32)", heads + 2, 4),
     ]
+    if gated:
+        # Megatron's output gate (a torch.compile'd x * sigmoid(gate)) keeps the gate's copy out of
+        # linear_qkv's output, and its product, not the attention output, is linear_proj's input
+        tensors += [SavedTensor("output gate: the gate heads, its input", heads * d, b),
+                    SavedTensor("output gate: its product, linear_proj's input", heads * d, b)]
     if layout == "replicated":
         tensors.append(SavedTensor("attention output made contiguous for linear_proj", heads * d, b))
     if getattr(config, "value_norm", False):
         tensors.append(SavedTensor("value norm: the normed values", groups * d, b))
-    if _has_post_norms(config):
-        tensors.append(SavedTensor("post-attention and post-feedforward norms: their inputs", 2 * h, b, "seq"))
-    tensors += [
-        SavedTensor("pre-MLP norm: its input", h, b, "seq"),
-        SavedTensor("pre-MLP norm: its output, the MLP's (router's) input", h, b, "seq", "recompute_norms"),
-    ]
-    gated = 2 if config.gated_linear_unit else 1
-    if moe_layer_flags(config)[layer_number - 1]:
-        k, f, experts = config.moe_router_topk, config.moe_ffn_hidden_size, config.num_moe_experts
-        tensors += [
-            SavedTensor("router: scores, top-k and the load-balancing statistics (fp32)", experts + 10 * k, 4, "seq"),
-            SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "routed", kept_in_fp8=True),
-            SavedTensor("experts' fc1 output, the activation's input", k * gated * f, b, "routed_ffn"),
-        ]
-        if transformer_engine:  # Megatron's weighted SwiGLU keeps its input; fc2 keeps its output
-            tensors.append(SavedTensor("experts' activation, fc2's input", k * f, b, "routed_ffn", "recompute_activations",
-                                       kept_in_fp8=True))
-        else:
-            tensors.append(SavedTensor("experts' SwiGLU: silu(gate), its product, the weighted activation", 3 * k * f, b,
-                                       "routed_ffn", "recompute_activations"))
-    else:
-        f = config.ffn_hidden_size
-        tensors[-1] = replace(tensors[-1], kept_in_fp8=True)  # the pre-MLP norm's output: fc1's input
-        tensors += [
-            SavedTensor("fc1 output, the activation's input", gated * f, b, kept_in_fp8=_fused_swiglu(config)),
-            SavedTensor("activation output, fc2's input", f, b, "tp", "recompute_activations", kept_in_fp8=True),
-        ]
     return tensors
+
+
+# fla's chunk_gated_delta_rule: its intra-chunk matrix A has one row of this many entries per token
+GDN_CHUNK_SIZE = 64
+
+
+def _gated_delta_net_tensors(config, b: int) -> List[SavedTensor]:
+    """What a GDN layer's GPU path keeps (``DualKVGatedDeltaNet`` with fla-core 0.6.0's
+    ``chunk_gated_delta_rule``, ``use_qk_l2norm_in_kernel=True``): the kernel's ``save_for_backward``
+    is q and k L2-normed (its own copies) with their rstd, v, the decay's chunk cumsum, beta, A
+    (the solved intra-chunk matrix, in the keys' dtype) and the initial states.
+
+    Per segment rather than per token, and not counted: each segment's initial recurrent state
+    (value heads x Dk x Dv in fp32) and its conv tail (K-1 rows of the conv channels). Qwen3.5-4B,
+    one 16-response group (17 segments): 24 GDN layers x 17 x (2 MiB + 48 KiB) = 0.82 GiB, under 1%
+    of those layers' 191 KiB per token at 24,576 tokens (107 GiB).
+
+    Selective recompute frees nothing here beyond the layer's norm outputs and MLP activation: every
+    other tensor is a matmul's or the conv's output or the kernel's own, which only re-running
+    in_proj, the conv or the kernel would give back (the full recompute of the layer)."""
+    gdn = _GatedDeltaNetWidths.of(config)
+    return [
+        SavedTensor("in_proj: its output (q, k, v, z, b, a)", gdn.in_proj, b),
+        SavedTensor("short conv: its input gathered with each segment's carried-in rows", gdn.conv, b),
+        SavedTensor("short conv: its output before the SiLU", gdn.conv, b),
+        SavedTensor("beta and the decay g (fp32)", 2 * gdn.value_heads, 4),
+        SavedTensor("delta rule: its L2-normed q and k, and v", gdn.conv, b),
+        SavedTensor("delta rule: q and k's rstd, the decay's chunk cumsum (fp32)", 2 * gdn.key_heads + gdn.value_heads, 4),
+        SavedTensor("delta rule: A, each value head's row of its chunk's matrix", GDN_CHUNK_SIZE * gdn.value_heads, b),
+        SavedTensor("delta rule: its output o", gdn.values, b),
+        SavedTensor("gated norm: the gate z", gdn.values, b),
+        SavedTensor("gated norm: o in fp32 and its statistics", gdn.values + gdn.value_heads, 4),
+        SavedTensor("gated norm: its output, out_proj's input", gdn.values, b),
+        SavedTensor("input and pre-MLP norm statistics (fp32)", 2, 4, "seq"),
+    ]
+
+
+def _mlp_tensors(config, b: int) -> List[SavedTensor]:
+    f, gated = config.ffn_hidden_size, 2 if config.gated_linear_unit else 1
+    return [
+        SavedTensor("fc1 output, the activation's input", gated * f, b, kept_in_fp8=_fused_swiglu(config)),
+        SavedTensor("activation output, fc2's input", f, b, "tp", "recompute_activations", kept_in_fp8=True),
+    ]
+
+
+def _moe_tensors(config, transformer_engine: bool, b: int) -> List[SavedTensor]:
+    h, gated = config.hidden_size, 2 if config.gated_linear_unit else 1
+    k, f, experts = config.moe_router_topk, config.moe_ffn_hidden_size, config.num_moe_experts
+    mlp = [
+        SavedTensor("router: scores, top-k and the load-balancing statistics (fp32)", experts + 10 * k, 4, "seq"),
+        SavedTensor("routed tokens, the experts' fc1 input", k * h, b, "routed", kept_in_fp8=True),
+        SavedTensor("experts' fc1 output, the activation's input", k * gated * f, b, "routed_ffn"),
+    ]
+    if transformer_engine:  # Megatron's weighted SwiGLU keeps its input; fc2 keeps its output
+        mlp.append(SavedTensor("experts' activation, fc2's input", k * f, b, "routed_ffn", "recompute_activations",
+                               kept_in_fp8=True))
+    else:
+        mlp.append(SavedTensor("experts' SwiGLU: silu(gate), its product, the weighted activation", 3 * k * f, b,
+                               "routed_ffn", "recompute_activations"))
+    shared = config.moe_shared_expert_intermediate_size or 0
+    if shared:  # an MLP beside the experts, which selective recompute leaves alone
+        mlp += [SavedTensor("shared expert: fc1 output", gated * shared, b, kept_in_fp8=_fused_swiglu(config)),
+                SavedTensor("shared expert: activation output, fc2's input", shared, b, kept_in_fp8=True)]
+        if getattr(config, "moe_shared_expert_gate", False):  # output * sigmoid(x w) keeps both factors
+            mlp.append(SavedTensor("shared expert gate: the expert's output and the gate", h + 1, b, "seq"))
+    return mlp
 
 
 def _fused_swiglu(config) -> bool:
@@ -326,13 +443,6 @@ class MemoryModel:
         vocab_size = padded_vocab_size(kwargs["vocab_size"], sizes.tp, make_vocab_size_divisible_by)
         return cls(config, vocab_size, bool(kwargs.get("share_embeddings_and_output_weights")), sizes, dp,
                    distributed_optimizer, ref_model, transformer_engine, fp8)
-
-    def __post_init__(self):
-        if "linear_attention" in getattr(self.config, "layer_types", ()):
-            raise NotImplementedError(
-                "the memory model does not count Gated DeltaNet layers yet (what they keep depends on the chunked "
-                "kernel, which has not run here): choose the recompute and the token budget yourself "
-                "(--recompute, --max-tokens)")
 
     # ---------------------------------------------------------------- static
     def static_parts(self, pp_rank: int = 0) -> Dict[str, float]:

@@ -45,7 +45,7 @@ SLOW_TESTS = {
     "test_tensor_parallel_matches_one_rank", "test_expert_parallel_packed_equals_replicated",
     "test_planned_micro_batches_reproduce_the_whole_batch", "test_importing_the_package_maps_nothing",
     "test_a_module_that_imports_megatron_is_caught", "test_modules_without_megatron_import_none_of_it",
-    "test_the_launch_script_trains_the_tiny_card",
+    "test_the_launch_script_trains_the_tiny_card", "test_the_launch_script_fits_a_gated_delta_net_model",
 }
 # On a GPU, also the model tests that compile the most kernels and torch.compile graphs (FlexAttention
 # for Gemma's replicated windows, Gemma's and the tree kernels' variants): each over 10 s on the H200

@@ -234,3 +234,46 @@ def test_the_text_decoder_of_a_multimodal_checkpoint(converted, tmp_path):  # no
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     written = json.loads((tmp_path / "text" / "config.json").read_text())
     assert written["model_type"] == "gemma3_text" and written["vocab_size"] == 256 and "source" not in written
+
+
+def test_the_text_decoder_of_a_multimodal_qwen3_5_checkpoint(converted, tmp_path, capsys):  # noqa: F811
+    """A Qwen3_5ForConditionalGeneration folder (transformers' save_pretrained, a tiny vision tower)
+    holding qwen3_5-tiny's text weights, plus a shard of multi-token-prediction tensors as the
+    published ones have: its text decoder converts to the weights of the text-only folder, bitwise,
+    which export back under the text model's names."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from megatron_dualkv.models import checkpoint_card, export_hf_weights
+    from megatron_dualkv.models.hf_folder import hf_card
+
+    text = converted["qwen3_5-tiny"]
+    folder, out = tmp_path / "multimodal", tmp_path / "megatron"
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=text.hf.config.hidden_size,
+                  patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    multimodal = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.hf.config.to_dict(), vision_config=vision))
+    multimodal.model.language_model.load_state_dict(text.hf.model.state_dict())
+    multimodal.lm_head.load_state_dict(text.hf.lm_head.state_dict())
+    multimodal.save_pretrained(folder, max_shard_size=SHARD_SIZE)
+    mtp = {"mtp.fc.weight": torch.ones(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)}
+    save_file(mtp, str(folder / "mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    hf_to_megatron(folder, out, text_only=True, progress=False)
+    visual = sum(name.startswith("model.visual.") for name in multimodal.state_dict())
+    assert capsys.readouterr().out == (f"{folder}: converting the text decoder, leaving out model.visual, mtp "
+                                       f"({visual + len(mtp)} tensors)\n")
+    assert json.loads((out / "dualkv_checkpoint.json").read_text())["left_out"] == ["model.visual", "mtp"]
+    got, want = load_model(out).state_dict(), load_model(text.megatron_dir).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want if torch.is_tensor(want[k]))
+    exported = dict(export_hf_weights(load_model(out), checkpoint_card(out)))
+    published = safetensors_files(text.hf_dir)
+    assert exported.keys() == published.keys() and all(torch.equal(exported[k], published[k]) for k in published)
+
+    # transformers ties the composite model's lm_head by its top-level flag, whatever text_config says
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"], config["text_config"]["tie_word_embeddings"] = True, False
+    (folder / "config.json").write_text(json.dumps(config))
+    card, _ = hf_card(folder, text_only=True)
+    assert card.model_type == "qwen3_5_text" and card.config["tie_word_embeddings"] is True

@@ -3,22 +3,25 @@ built models, the pipeline split, the splits of tensor and context parallelism, 
 recompute and micro-batch. What a layer keeps is measured on the GPU (tests/test_memory_gpu.py:
 the CPU's attention and norms keep other tensors), and the peaks of whole steps by
 tools/bench_policy_update.py --full-depth (docs/performance.md)."""
+import json
+
 import pytest
 import torch
 
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.memory import (
-    GIB, MemoryModel, layer_modes, rank_parameters, stage_layers,
+    GIB, MemoryModel, layer_activation_bytes, layer_modes, rank_parameters, stage_layers,
 )
 from megatron_dualkv.models import build_model
 
-TINY_CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny"]
+TINY_CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny", "qwen3-next-tiny"]
 
 
 @pytest.mark.parametrize("card", TINY_CARDS)
 def test_parameter_counts_are_those_of_the_built_model(card):
     """Every family: attention with QK norms, MoE experts and router, Gemma's extra norms and its
-    full-attention layers' own heads, keys as values, tied embeddings, the padded vocabulary."""
+    full-attention layers' own heads, keys as values, tied embeddings, the padded vocabulary, the
+    hybrids' GDN layers, output gates and gated shared experts."""
     model = build_model(card, make_vocab_size_divisible_by=48)
     memory = MemoryModel.for_card(card, dtype=torch.float32, make_vocab_size_divisible_by=48)
     assert memory.vocab_size == model.vocab_size
@@ -35,6 +38,50 @@ def test_full_size_cards_count_their_published_parameters(card):
     memory = MemoryModel.for_card(card, make_vocab_size_divisible_by=1)
     total = rank_parameters(memory.config, memory.vocab_size, memory.tied, ParallelSizes()).total
     assert total == {"qwen3-4b": 4_022_468_096, "gemma3-4b": 3_880_263_168}[card]
+
+
+def test_a_gated_delta_net_card_counts_its_shapes():
+    """Qwen3.5-4B's text model, from its card's shapes: 24 GDN layers (in_proj: q, k, v, z of 16 key
+    heads and 32 value heads of 128, and b, a; the conv over q, k, v; A_log, dt_bias; the gated
+    norm), 8 attention layers with an output gate (q_proj twice 16 x 256 rows), SwiGLU MLPs, a tied
+    embedding."""
+    h, f, vocab = 2560, 9216, 248320
+    conv, values = 2 * 16 * 128 + 32 * 128, 32 * 128
+    gdn = h * (conv + values + 2 * 32) + values * h + 4 * conv + 2 * 32 + 128
+    attention = h * (2 * 16 * 256 + 2 * 4 * 256) + 16 * 256 * h + 2 * 256
+    layer = 2 * h + 3 * h * f
+    memory = MemoryModel.for_card("qwen3_5-4b", make_vocab_size_divisible_by=1)
+    total = rank_parameters(memory.config, memory.vocab_size, memory.tied, ParallelSizes()).total
+    assert total == 24 * gdn + 8 * attention + 32 * layer + vocab * h + h == 4_205_751_296
+
+
+def test_a_gated_delta_net_layer_keeps_what_its_gpu_path_saves():
+    """Bytes per token of qwen3_5-tiny's GDN layer (hidden 64, ffn 128; 2 key heads of 8, 4 value
+    heads of 12, so 80 conv channels and 48 values), in bf16, summed tensor by tensor; and the
+    MoE with a gated shared expert of qwen3-next-tiny's (4 experts of 32, top 2, shared 48)."""
+    h, conv, values, value_heads, key_heads = 64, 80, 48, 4, 2
+    mixer = (2 * (conv + values + 2 * value_heads)  # in_proj's output
+             + 2 * conv + 2 * conv  # the conv's gathered input, its output before the SiLU
+             + 4 * 2 * value_heads  # beta and g, fp32
+             + 2 * conv + 4 * (2 * key_heads + value_heads)  # the kernel's q, k, v; rstd of q and k, g's cumsum
+             + 2 * 64 * value_heads  # A: a 64-entry row per token and value head, bf16
+             + 2 * values + 2 * values  # o, z
+             + 4 * (values + value_heads)  # the gated norm's fp32 input and statistics
+             + 2 * values  # out_proj's input
+             + 4 * 2)  # the input and pre-MLP norms' statistics
+    norms = 2 * (4 * h)  # the input and pre-MLP norms' inputs and outputs
+    mlp = 2 * (2 * 128) + 2 * 128  # fc1's output, the activation
+    memory = MemoryModel.for_card("qwen3_5-tiny")
+    assert memory.config.is_linear_attention(1)
+    one = ParallelSizes()
+    assert layer_activation_bytes(memory.config, 1, one, "none") == mixer + norms + mlp == 3112
+    # selective frees the norm outputs and the activation, nothing of the mixer
+    assert layer_activation_bytes(memory.config, 1, one, "selective") == mixer + norms + mlp - 2 * h - 2 * h - 2 * 128
+    assert layer_activation_bytes(memory.config, 1, one, "full") == 2 * h
+    moe = (4 * (4 + 10 * 2) + 2 * 2 * h + 2 * 2 * 2 * 32 + 2 * 3 * 2 * 32  # router, routed tokens, fc1, SwiGLU
+           + 2 * 2 * 48 + 2 * 48 + 2 * (h + 1))  # the shared expert's fc1 and activation, its gate's factors
+    next_tiny = MemoryModel.for_card("qwen3-next-tiny")
+    assert layer_activation_bytes(next_tiny.config, 1, one, "none") == mixer + norms + moe
 
 
 @pytest.mark.parametrize("num_layers, pp, vpp", [(62, 4, None), (60, 8, None), (36, 5, None), (8, 2, 2)])
@@ -149,3 +196,31 @@ def test_the_planning_table_fits_every_layout(capsys):
         reuse="does not fit", runs="not yet: pp > 1")
     tool.main(["--prefix-reuse", "--card", "qwen3-tiny", "--layouts", "1x1x1x1,1x1x1x2", "--gpus", "2"])
     assert "not yet: cp > 1" in capsys.readouterr().out
+
+def test_the_launch_script_fits_a_gated_delta_net_model(tmp_path, monkeypatch, capsys):
+    """--recompute auto --max-tokens auto on Qwen3.5 (GDN layers), one step on the CPU: the device's
+    memory is stood in for by a budget between the peaks of selective and no recompute at the
+    largest group, so the script picks selective and the most tokens that fit it."""
+    from test_examples import SCRIPT, load
+
+    script = load(SCRIPT, "grpo_policy_update")
+    rollouts = tmp_path / "ids.jsonl"
+    groups = [{"prompt": list(range(1, 13)), "responses": [[20 + i] * (2 + i) for i in range(4)], "rewards": [0, 1, 0, 1]},
+              {"prompt": [7, 8, 9], "responses": [[10, 11], [12]], "rewards": [1.0, 0.0]}]
+    rollouts.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    whole = 12 + 2 + 3 + 4 + 5
+    memory = MemoryModel.for_card("qwen3_5-tiny", dtype=torch.float32)
+    budget = sum(memory.predict(whole, whole, mode).total for mode in ("none", "selective")) / 2
+
+    def fit_to_memory(args, groups):
+        args.memory_margin = 0.08
+        return script.fit_within(args, groups, budget)
+
+    monkeypatch.setattr(script, "fit_to_memory", fit_to_memory)
+    monkeypatch.setattr(script, "device_budget", lambda margin: budget)
+    args = script.parse_args(["--model", "qwen3_5-tiny", "--rollouts", str(rollouts), "--global-batch-size", "2",
+                              "--recompute", "auto", "--max-tokens", "auto", "--steps", "1"])
+    script.train(args)
+    out = capsys.readouterr().out
+    assert "memory: layout packed, recompute selective, micro-batch" in out and "step    1/1" in out
+    assert (args.recompute, args.recompute_layers) == ("selective", None) and args.max_tokens >= whole

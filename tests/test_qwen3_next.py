@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from megatron_dualkv.memory import MemoryModel
 from megatron_dualkv.models import ModelCard, build_model, load_card
 from megatron_dualkv.models.builder import FAMILIES, uses_transformer_engine
 from megatron_dualkv.planner import CostModel, gated_delta_net_token_flops
@@ -87,8 +86,6 @@ def test_bad_settings_name_what_is_wrong():
     with pytest.raises(ValueError, match="model_type 'qwen3_5_text' has no Transformer Engine spec yet"):
         uses_transformer_engine(True, family)
     assert uses_transformer_engine(None, family) is False  # the local spec, with or without TE installed
-    with pytest.raises(NotImplementedError, match="does not count Gated DeltaNet layers yet.*--recompute, --max-tokens"):
-        MemoryModel.for_card(CARD)
     uneven = ModelCard("uneven-gdn-heads", {**card.config, "linear_num_value_heads": 3})
     with pytest.raises(ValueError, match=r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads \(2\)"):
         build_model(uneven)

@@ -4,13 +4,14 @@
     python tools/convert_checkpoint.py megatron-to-hf --megatron DIR --out DIR [--max-shard-size 5GB]
 
 hf-to-megatron reads config.json and the safetensors shards (model.safetensors, or the shards of
-model.safetensors.index.json) of a Qwen3, Qwen3-MoE, Gemma 3 or Gemma 4 text model; --tp/--pp/--ep
-are checked against the model and recorded, and the checkpoint loads at any sizes
-(megatron_dualkv.models.load_model): a layer count --pp does not divide is split unevenly, and the
-vocabulary is stored as the Hugging Face folder has it, padded only where a model loads it.
---text-only converts the text decoder of a multimodal checkpoint; --card builds from a model card
-instead of the folder's config.json (the published Gemma 3 configs leave out fields that take
-transformers' defaults: --text-only --card gemma3-27b).
+model.safetensors.index.json) of a Qwen3, Qwen3-MoE, Gemma 3, Gemma 4, Qwen3.5 or Qwen3-Next text
+model; --tp/--pp/--ep are checked against the model and recorded, and the checkpoint loads at any
+sizes (megatron_dualkv.models.load_model): a layer count --pp does not divide is split unevenly,
+and the vocabulary is stored as the Hugging Face folder has it, padded only where a model loads it.
+--text-only converts the text decoder of a multimodal checkpoint (Gemma 3, Qwen3.5: the vision
+tower and Qwen3.5's mtp.* are left out); --card builds from a model card instead of the folder's
+config.json (the published Gemma 3 configs leave out fields that take transformers' defaults:
+--text-only --card gemma3-27b).
 
 megatron-to-hf writes safetensors shards named as the published checkpoints name their tensors,
 the index, config.json and the small files (tokenizer, generation config) that came along.

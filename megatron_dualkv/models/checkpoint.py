@@ -63,7 +63,9 @@ from ..mcore.parallel import ParallelSizes, check_model_split, current_parallel_
 from .builder import build_model, build_transformer_config, family_of
 from .cards import ModelCard, load_card
 from .family import ModelFamily, TensorMapping, _first, load_megatron_state_dict
-from .hf_folder import CONFIG_NAME, HFWeights, SafetensorsShardWriter, copy_small_files, hf_card, parse_size, write_json
+from .hf_folder import (
+    CONFIG_NAME, HFWeights, SafetensorsShardWriter, copy_small_files, hf_card, left_out_parts, parse_size, write_json,
+)
 
 FORMAT_NAME = "dualkv_checkpoint.json"
 FORMAT_VERSION = 1
@@ -140,9 +142,10 @@ def hf_to_megatron(
     and experts must split that many ways, layers over pp as ``build_model`` splits them) and
     recorded. The stored tensors are global, with the real vocabulary, so it loads at any sizes.
     text_only: convert the text decoder of a multimodal checkpoint (``model.language_model.*``
-    tensors), leaving the vision tower out. card: the model card to build from instead of the
-    folder's ``config.json`` (e.g. ``"gemma3-27b"``: published multimodal configs leave out the
-    fields that take transformers' defaults); it becomes the checkpoint's ``config.json``.
+    tensors), leaving the vision tower (and Qwen3.5's ``mtp.*``) out, as one printed line says.
+    card: the model card to build from instead of the folder's ``config.json`` (e.g.
+    ``"gemma3-27b"``: published multimodal configs leave out the fields that take transformers'
+    defaults); it becomes the checkpoint's ``config.json``.
 
     ValueError, before anything is written, for a model no family supports, missing, unexpected
     or misshapen tensors. ``out_dir`` must not exist; it appears only once complete.
@@ -158,6 +161,10 @@ def hf_to_megatron(
     sizes = ParallelSizes(tp=tp, pp=pp, ep=ep)
     _check_parallel_sizes(card, family, sizes)
     weights = HFWeights(hf_dir, rename)
+    left_out = left_out_parts(weights.left_out)
+    if left_out:
+        print(f"{hf_dir}: converting the text decoder, leaving out {', '.join(left_out)} "
+              f"({len(weights.left_out)} tensors)")
     layout = _model_layout(card)
     mapping = family.hf_file_state_dict_mapping(card, layout.config)
     mapping.check_hf_names(weights.names)
@@ -172,8 +179,6 @@ def hf_to_megatron(
         else:  # the config of what was converted: the card's, or a multimodal checkpoint's text decoder's
             write_json(staging / CONFIG_NAME, _hf_config(card))
             copy_small_files(hf_dir, staging, skip=_MEGATRON_FILES + (CONFIG_NAME,))
-        # what a multimodal checkpoint's text decoder leaves out, e.g. model.vision_tower
-        left_out = sorted({".".join(name.split(".")[:2]) for name in weights.left_out})
         _write_format(staging, "hf_to_megatron", sizes, source=str(hf_dir.resolve()), left_out=left_out)
 
 

@@ -34,8 +34,12 @@ _LANGUAGE_MODEL_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
     "lm_head.": "lm_head.",
 }
-# Fields a multimodal config keeps at its top level that its text decoder needs.
-_INHERITED_BY_TEXT_CONFIG = ("dtype", "torch_dtype", "tie_word_embeddings")
+# Fields a multimodal config keeps at its top level that its text decoder needs, where its
+# text_config leaves them out.
+_INHERITED_BY_TEXT_CONFIG = ("dtype", "torch_dtype")
+# Fields of the multimodal model itself, which win over its text_config's: transformers ties the
+# composite model's lm_head by the top-level flag (Qwen3.5's text_config says False beside a top-level True).
+_OWNED_BY_TOP_CONFIG = ("tie_word_embeddings",)
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -45,7 +49,8 @@ _DTYPES = {
 
 def hf_card(folder: Path, text_only: bool = False) -> Tuple[ModelCard, Optional[Callable[[str], Optional[str]]]]:
     """The card of the model in ``folder`` and, for the text decoder of a multimodal checkpoint
-    (``text_only=True``), how its tensor names become the text model's (None: leave the tensor out).
+    (``text_only=True``: Gemma 3, Qwen3.5), how its tensor names become the text model's (None: leave
+    the tensor out, as a vision tower and Qwen3.5's multi-token-prediction layer ``mtp.*``).
 
     ValueError for a ``model_type`` no family supports, and for a multimodal checkpoint without
     ``text_only``.
@@ -66,10 +71,17 @@ def hf_card(folder: Path, text_only: bool = False) -> Tuple[ModelCard, Optional[
                 "vision tower out"
             )
         inherited = {key: config[key] for key in _INHERITED_BY_TEXT_CONFIG if key in config}
-        return ModelCard(folder.name, {**inherited, **text}), _language_model_name
+        owned = {key: config[key] for key in _OWNED_BY_TOP_CONFIG if key in config}
+        return ModelCard(folder.name, {**inherited, **text, **owned}), _language_model_name
     raise ValueError(
         f"{path}: unsupported model_type {model_type!r} (architectures {architectures}); supported: {sorted(FAMILIES)}"
     )
+
+
+def left_out_parts(names: Iterable[str]) -> List[str]:
+    """The modules that tensors ``names`` belong to: ``model.visual`` under ``model.``, else the first
+    component (``mtp``, transformers 4's ``vision_tower``)."""
+    return sorted({".".join(name.split(".")[:2 if name.startswith("model.") else 1]) for name in names})
 
 
 def _language_model_name(name: str) -> Optional[str]:
