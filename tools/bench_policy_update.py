@@ -496,6 +496,8 @@ def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel
 
 def steps_that_fit(policy, rollouts, layout: str, max_tokens: int, repeats: int, label: str):
     """``run_steps``, or None when they run out of memory."""
+    # a setting's steps can take minutes at long contexts: say what runs, so a cut-off run still shows it
+    print(f"  {label} at {max_tokens} tokens: running", flush=True)
     try:
         return run_steps(policy, rollouts, layout, max_tokens, repeats)
     except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError

@@ -151,6 +151,7 @@ class DualKVGatedDeltaNet(MegatronModule):
         enters through Megatron's copy-to-TP-region, whose backward sums the ranks' gradients."""
         weight = self.norm_weight if self.tp_group is None else copy_to_tensor_model_parallel_region(self.norm_weight,
                                                                                                      self.tp_group)
+        out = out.float()
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         return normed * weight.float() * F.silu(gate.float())
 
