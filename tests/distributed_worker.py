@@ -133,6 +133,8 @@ PARALLEL_RUNS = {
     # (all-gathered rows under SP, copied ones without)
     "reuse_dense_tp2": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=False), reuse=True),
     "reuse_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), reuse=True),
+    # each expert rank runs its experts on every part's tokens and the prompt's
+    "reuse_moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), reuse=True),
 }
 REUSE_SHAPE, REUSE_PARTS = (13, [5, 1, 7, 3, 4]), [[0, 1], [2], [3, 4]]
 
