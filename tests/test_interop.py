@@ -64,10 +64,12 @@ def test_unpack_puts_values_back_in_row_order():
     assert torch.equal(ResponseTokens.from_layout(batch.layout).flatten(nested), flat)
 
 
-def test_logprobs_match_each_row_on_its_own():
+@pytest.mark.parametrize("card", ["qwen3-tiny", "qwen3_5-tiny"])
+def test_logprobs_match_each_row_on_its_own(card):
     """forward_logprobs of the packed batch, unpacked, against each row's prompt and response alone
-    on the replicated layout (plain causal attention), in the padded layout."""
-    model = build_model("qwen3-tiny", seed=2)
+    on the replicated layout (plain causal attention; for Qwen3.5's GDN layers, each row's
+    recurrence from zero state), in the padded layout."""
+    model = build_model(card, seed=2)
     prompts, prompt_mask, responses, response_mask, ids = padded()
     ids = np.array(ids, dtype=object)  # verl's uid column
     batch = pack_padded(prompts, prompt_mask, responses, response_mask, ids, pad_to_multiple_of=8)
