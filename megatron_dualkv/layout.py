@@ -330,25 +330,31 @@ class TreeLayout(PackedLayout):
 
 @dataclass(frozen=True, eq=False)
 class PrefixedLayout(PackedLayout):
-    """Responses whose prompts are held outside the micro-batch (prefix reuse, ``rl.prefix_reuse``).
+    """Responses, or subtrees, whose prompts are held outside the micro-batch (prefix reuse,
+    ``rl.prefix_reuse``).
 
     Python metadata (tuples, device-free):
-        prefix_lens:   (G,) prompt length of each group; the prompts' K/V are one separate
-                       ``(sum(prefix_lens), Hkv, D)`` operand, group by group
-        response_lens: (G,) tuple of the response lengths of each group (at least one each)
-        pad_len:       trailing padding tokens (0 for none)
+        prefix_lens:     (G,) prompt (shared path) length of each group; the prompts' K/V are one
+                         separate ``(sum(prefix_lens), Hkv, D)`` operand, group by group
+        response_lens:   (G,) tuple of the segment lengths of each group (at least one each)
+        pad_len:         trailing padding tokens (0 for none)
+        segment_parents: None (every segment a response hanging from its prompt), or (G,) tuple
+                         per group of each segment's parent among that group's segments, -1 for
+                         one hanging from the prompt: the rest of a prefix tree whose shared path
+                         is held, in DFS order as ``TreeLayout``'s
 
-    The packed tokens are the responses only, group by group, then padding. Every response is a
-    root segment starting at logical position ``prefix_lens[g]`` (as in the group's
-    ``DualKVLayout``), so RoPE and windows see the positions of the whole group; within the
-    micro-batch a response attends to itself causally, and to its group's prefix through the
-    separate operand (``ops.dualkv_prefix_attn``).
+    The packed tokens are the segments only, group by group, then padding. A segment hanging from
+    its prompt is a root at logical position ``prefix_lens[g]`` (as in the whole group or tree), so
+    RoPE and windows see the positions of the whole; within the micro-batch a token attends to its
+    own ancestors and itself causally, and to its group's prefix through the separate operand
+    (``ops.dualkv_prefix_attn``).
     """
 
     prefix_lens: Tuple[int, ...]
     response_lens: Tuple[Tuple[int, ...], ...]
     pad_len: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    segment_parents: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
@@ -356,11 +362,27 @@ class PrefixedLayout(PackedLayout):
         _check_lengths(self.prefix_lens, self.response_lens, self.pad_len)
         if any(not rs for rs in self.response_lens):
             raise ValueError("PrefixedLayout: every group needs at least one response")
+        if self.segment_parents is None:
+            local = [(-1,) * len(rs) for rs in self.response_lens]
+        else:
+            local = [tuple(ps) for ps in self.segment_parents]
+            object.__setattr__(self, "segment_parents", tuple(local))
+            if len(local) != len(self.response_lens):
+                raise ValueError(f"PrefixedLayout: {len(local)} segment_parents tuples for {len(self.response_lens)} groups")
+            for lens, parents in zip(self.response_lens, local):
+                _check_tree(lens, parents, 0)
         lens = [r for rs in self.response_lens for r in rs]
         starts = [p for p, rs in zip(self.prefix_lens, self.response_lens) for _ in rs]
+        offsets = accumulate((len(rs) for rs in self.response_lens), initial=0)
+        parents = [parent + offset if parent >= 0 else -1 for ps, offset in zip(local, offsets) for parent in ps]
         if self.pad_len:
-            lens, starts = lens + [self.pad_len], starts + [0]
-        self._build(lens, [-1] * len(lens), "PrefixedLayout", starts)
+            lens, starts, parents = lens + [self.pad_len], starts + [0], parents + [-1]
+        self._build(lens, parents, "PrefixedLayout", starts)
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether some segment hangs from another (the rest of a prefix tree) rather than its prompt."""
+        return self.segment_parents is not None and any(p >= 0 for ps in self.segment_parents for p in ps)
 
     @property
     def num_groups(self) -> int:
@@ -395,7 +417,7 @@ class PrefixedLayout(PackedLayout):
 
     def __repr__(self) -> str:
         return (f"PrefixedLayout(groups={self.num_groups}, prefix={self.prefix_tokens}, tokens={self.total_tokens}, "
-                f"pad={self.pad_len}, device={self.device})")
+                f"pad={self.pad_len}{', tree' if self.is_tree else ''}, device={self.device})")
 
 
 def _is_int(x) -> bool:

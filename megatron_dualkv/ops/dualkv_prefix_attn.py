@@ -4,7 +4,8 @@ When a group is too large for one micro-batch, its prompt runs once and its per-
 each micro-batch of its responses (``PrefixedLayout``) then attends to two key sets:
 
     A, the group's prefix: every prompt key (up to the window), from the separate operand prefix_k/v;
-    B, the responses themselves: each response causally, from k/v.
+    B, the responses themselves: each response causally, from k/v (or, for the rest of a prefix
+       tree whose shared path is held, each token its ancestors within the micro-batch and itself).
 
 No concatenation: the two pieces are attention over different tensors, merged by their
 log-sum-exp (per query row i, log2 domain as in ``ops.dualkv_attn``):
@@ -17,7 +18,7 @@ union's, so each piece's flash backward, run on the merged (o, lse), gives that 
 share of dq and the exact dk/dv of its keys (dq = dqA + dqB).
 
 Triton backend: piece B is the causal DualKV kernels (``ops.dualkv_attn``) on the responses as
-plain sequences (a window sees the same position differences there); piece A is the kernels
+plain sequences, or on the segments' tree (a window sees the same position differences there); piece A is the kernels
 below, flash attention of the queries of each group over that group's prefix rows (math as in
 ``ops.dualkv_attn``, c = softcap, s = softmax scale, key j at logical position j of its prompt):
 
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import DualKVLayout, PrefixedLayout
+from ..layout import DualKVLayout, PackedLayout, PrefixedLayout, TreeLayout
 from .checks import check_prefix_attention_inputs
 from .dualkv_attn import LOG2E, NO_WINDOW, _bwd, _dot, _fwd, _program_row, _scores, kernel_tables
 
@@ -178,10 +179,11 @@ def _prefix_dkdv_kernel(Q, PK, PV, DO, DPK, DPV, LSE, DELTA, POS, TILES, stride_
 
 
 # ==================================================================================== host side
-def _tables(layout: PrefixedLayout) -> Tuple[torch.Tensor, torch.Tensor, DualKVLayout]:
+def _tables(layout: PrefixedLayout) -> Tuple[torch.Tensor, torch.Tensor, PackedLayout]:
     """(query tiles ``(q_start, q_end, prefix row, prefix_len)`` inside one group; prefix key
     tiles ``(row, row end, position of the first, q_start, q_end)`` with their group's queries;
-    the responses as plain causal sequences, piece B's layout), cached per layout."""
+    piece B's layout: the responses as plain causal sequences, or the segments' tree), cached per
+    layout."""
 
     def build():
         query_tiles, key_tiles, start = [], [], 0
@@ -192,7 +194,12 @@ def _tables(layout: PrefixedLayout) -> Tuple[torch.Tensor, torch.Tensor, DualKVL
                           for j in range(0, prefix_len, BLOCK)]
             start = end
         lens = tuple(r for rs in layout.response_lens for r in rs)
-        causal = DualKVLayout(lens, ((),) * len(lens), layout.pad_len, layout.device)
+        if layout.is_tree:
+            # the segments' own tree (positions from 0: piece B's window reads differences only)
+            parents = tuple(n.parent for n in layout.nodes[: len(lens)])
+            causal = TreeLayout(lens, parents, layout.pad_len, layout.device)
+        else:
+            causal = DualKVLayout(lens, ((),) * len(lens), layout.pad_len, layout.device)
         as_table = lambda rows: torch.tensor(rows, dtype=torch.int32, device=layout.device)  # noqa: E731
         return as_table(query_tiles), as_table(key_tiles), causal
 
