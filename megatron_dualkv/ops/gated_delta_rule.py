@@ -138,6 +138,115 @@ def fla_varlen(scale: float, qk_l2norm: bool) -> VarlenRule:
     return run
 
 
+
+def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> VarlenRule:
+    """The chunked rule in plain PyTorch ops with ``fla_varlen``'s contract; autograd differentiates
+    it (q, k, v, g, beta and the initial states). Computes in float32, float64 for float64 inputs.
+
+    Every sequence is padded to the longest one's whole number of chunks, so the N sequences run as
+    one (N, HV, chunks, C, D) batch and only the state recurrence loops, over the chunk index. Padding
+    is inert: g = 0 keeps the decay, beta = 0 and k = 0 add nothing to the state.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+
+    def run(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial):
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        q, k = q.to(dtype), k.to(dtype)
+        if qk_l2norm:
+            q, k = _l2_normed(q), _l2_normed(k)
+        repeat = v.shape[1] // q.shape[1]
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        padding = _ChunkPadding.of(cu_seqlens_cpu, chunk_size, q.device)
+        chunked = [padding.chunked(x.to(dtype)) for x in (q * scale, k, v, g, beta)]
+        if initial is None:
+            initial = q.new_zeros(padding.sequences, v.shape[1], q.shape[2], v.shape[2])
+        out, final = _chunk_recurrence(*chunked, initial.to(dtype))
+        return padding.unchunked(out).to(v.dtype), final
+
+    return run
+
+
+@dataclass(frozen=True)
+class _ChunkPadding:
+    """Packed tokens <-> an (N, HV, chunks, C, ...) batch, each sequence zero-padded at its end."""
+
+    gather: Tensor  # (N * chunks * C,): each padded place's packed token; T (a zero row) for padding
+    real: Tensor  # (T,): each packed token's padded place
+    sequences: int
+    chunks: int
+    chunk_size: int
+
+    @staticmethod
+    def of(cu_seqlens_cpu: Tensor, chunk_size: int, device) -> "_ChunkPadding":
+        # from the host copy, so that planning the padding does not wait for the GPU
+        starts, lengths = cu_seqlens_cpu[:-1], cu_seqlens_cpu.diff()
+        sequences, tokens = len(lengths), int(cu_seqlens_cpu[-1])
+        chunks = -(-int(lengths.max()) // chunk_size)
+        width = chunks * chunk_size
+        offset = torch.arange(width, dtype=torch.int64)
+        inside = offset[None, :] < lengths[:, None]
+        gather = torch.where(inside, starts[:, None] + offset[None, :], tokens).flatten()
+        real = (torch.arange(sequences, dtype=torch.int64)[:, None] * width + offset[None, :])[inside]
+        return _ChunkPadding(gather.to(device), real.to(device), sequences, chunks, chunk_size)
+
+    def chunked(self, x: Tensor) -> Tensor:
+        """(T, HV, ...) -> (N, HV, chunks, C, ...)."""
+        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, self.gather)
+        padded = padded.view(self.sequences, self.chunks, self.chunk_size, *x.shape[1:])
+        return padded.movedim(3, 1)
+
+    def unchunked(self, x: Tensor) -> Tensor:
+        """(N, HV, chunks, C, ...) -> (T, HV, ...), the padding dropped."""
+        return x.movedim(1, 3).flatten(0, 2).index_select(0, self.real)
+
+
+def _chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tuple[Tensor, Tensor]:
+    """The gated delta rule chunk by chunk (Yang et al., "Parallelizing Linear Transformers with the
+    Delta Rule over Sequence Length", 2024, with Gated DeltaNet's scalar decay). q (already scaled),
+    k: (..., chunks, C, Dk); v: (..., chunks, C, Dv); g, beta: (..., chunks, C); state: (..., Dk, Dv),
+    the state before the first chunk. Returns the outputs (..., chunks, C, Dv) and the last state.
+
+    Within a chunk that starts from state S, let G_t = g_1 + .. + g_t (the log of the decay from the
+    chunk's start through token t). Unrolling h_t = exp(g_t) h_{t-1} + k_t u_t^T:
+
+        h_t = exp(G_t) S + sum_{j<=t} exp(G_t - G_j) k_j u_j^T
+        u_t = beta_t (v_t - (exp(g_t) h_{t-1})^T k_t)
+            = beta_t (v_t - exp(G_t) S^T k_t - sum_{j<t} exp(G_t - G_j) (k_t . k_j) u_j)
+
+    so (I + A) U = diag(beta) V - diag(beta exp(G)) K S with A strictly lower triangular,
+    A_tj = beta_t exp(G_t - G_j) (k_t . k_j). Its inverse is the WY (UT-transform) form:
+    U = U0 - W S with U0 = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta exp(G)) K, neither of
+    which depends on S, so every chunk's is solved at once. Then, per chunk in turn:
+
+        O     = diag(exp(G)) Q S + (Q K^T * D) U             D_tj = exp(G_t - G_j) for j <= t, else 0
+        S_new = exp(G_C) S + (diag(exp(G_C - G)) K)^T U
+
+    Every exponent is <= 0 (G falls along the chunk), so nothing overflows whatever the decay.
+    """
+    size = g.shape[-1]
+    log_decay = g.cumsum(-1)  # G
+    future = torch.ones(size, size, dtype=torch.bool, device=g.device).triu(1)
+    pairwise = log_decay[..., :, None] - log_decay[..., None, :]  # G_t - G_j
+    # masked before the exponent: above the diagonal G_t - G_j > 0 and may overflow
+    decay = pairwise.masked_fill(future, float("-inf")).exp()  # D
+    lower = ((k @ k.transpose(-1, -2)) * decay * beta[..., :, None]).tril(-1)  # A
+    eye = torch.eye(size, dtype=k.dtype, device=k.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * log_decay.exp())[..., None] * k], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+    u0, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    attention = (q @ k.transpose(-1, -2)) * decay
+    read_state = log_decay.exp()[..., None] * q  # diag(exp(G)) Q
+    to_end = (log_decay[..., -1:] - log_decay).exp()[..., None] * k  # diag(exp(G_C - G)) K
+    chunk_decay = log_decay[..., -1].exp()  # exp(G_C)
+    outputs = []
+    for c in range(g.shape[-2]):
+        u = u0[..., c, :, :] - w[..., c, :, :] @ state
+        outputs.append(read_state[..., c, :, :] @ state + attention[..., c, :, :] @ u)
+        state = chunk_decay[..., c, None, None] * state + to_end[..., c, :, :].transpose(-1, -2) @ u
+    return torch.stack(outputs, dim=-3), state
+
+
 @dataclass(frozen=True)
 class _Level:
     """The segments of one tree depth, as one packed batch of sequences."""
