@@ -18,20 +18,31 @@ each trajectory run alone. A shared state feeds several children, so its gradien
 them: autograd gets that from the reuse of one tensor.
 
 ``gated_delta_rule_reference`` is the oracle: O(T Dk Dv) per head, token by token, on any device.
-``gated_delta_rule_func`` is what the layers call: on CUDA, fla's chunked kernel
-(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, fla-core 0.6.0; the ``hybrid`` extra) once per
-tree level, every segment of a level one variable-length sequence whose initial state is its
-parent's final state (fla returns final states and takes their gradients), so a group
-``[P][R1]..[RN]`` is two calls: the prompt, then the N responses from the prompt's state.
-Elsewhere, and in float64, the reference.
+``gated_delta_rule_func`` is what the layers call. Its chunked backends run once per tree level
+(``run_by_level``), every segment of a level one variable-length sequence whose initial state is
+its parent's final state, so a group ``[P][R1]..[RN]`` is two calls: the prompt, then the N
+responses from the prompt's state. The backends:
+
+* ``"fla"``: fla's Triton kernel (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, fla-core
+  0.6.0; the ``hybrid`` extra), which returns final states and takes their gradients. Its backward
+  refuses Hopper with Triton 3.4 to 3.7.0 (a Triton miscompile, fla issue 640; torch 2.11 pins
+  Triton 3.6) unless tilelang is installed: ``fla_usable``.
+* ``"torch"``: ``torch_chunk_varlen``, the same chunked (WY) form in plain PyTorch ops, which
+  autograd differentiates; any device, float32 (float64 for float64 inputs) inside.
+* ``"reference"``: the oracle, for the tests and CPU runs.
+
+``"auto"`` takes fla on CUDA where it is installed and usable, else torch on CUDA, and the
+reference elsewhere.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
+from packaging.version import Version
 from torch import Tensor
 
 from ..layout import PackedLayout
@@ -75,7 +86,7 @@ def gated_delta_rule_reference(
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "fla", "reference")
+BACKENDS = ("auto", "fla", "torch", "reference")
 
 
 def gated_delta_rule_func(
@@ -98,8 +109,9 @@ def gated_delta_rule_func(
     kernel. Returns the output (T, HV, Dv) in v's dtype and each segment's final state
     (S, HV, Dk, Dv) in float32 (float64 for float64 inputs), S = ``len(layout.nodes)``.
 
-    backend: "fla" (CUDA; bf16, fp16 or fp32 inputs), "reference", or "auto": fla on CUDA when it
-    is installed and the dtype is one it takes, else the reference.
+    backend: "fla" (CUDA; bf16, fp16 or fp32 inputs), "torch" (``torch_chunk_varlen``, any device
+    and float dtype), "reference", or "auto": on CUDA fla when it is installed, usable on this GPU
+    and Triton (``fla_usable``) and takes the dtype, else torch; elsewhere the reference.
     """
     backend = _backend(q, backend)
     if q.dim() == 3 and v.dim() == 3 and v.shape[1] % q.shape[1]:
@@ -115,8 +127,13 @@ def gated_delta_rule_func(
         out, finals = gated_delta_rule_reference(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), layout, scale,
                                                  None if initial_state is None else initial_state.to(dtype))
         return out.to(v.dtype), finals.float() if dtype != torch.float64 else finals
-    _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state)
-    run = fla_varlen(scale if scale is not None else q.shape[2] ** -0.5, qk_l2norm)
+    scale = scale if scale is not None else q.shape[2] ** -0.5
+    if backend == "fla":
+        _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state)
+        run = fla_varlen(scale, qk_l2norm)
+    else:
+        _check_torch_inputs(q, k, v, g, beta, layout, scale, initial_state)
+        run = torch_chunk_varlen(scale, qk_l2norm)
     return run_by_level(run, q, k, v, g, beta, layout, initial_state)
 
 
@@ -321,11 +338,36 @@ def _backend(q: Tensor, backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        usable = q.is_cuda and q.dtype in KERNEL_DTYPES and fla_installed()
-        return "fla" if usable else "reference"
-    if backend == "fla" and not fla_installed():
-        raise ValueError("backend 'fla' needs fla-core (pip install 'megatron-dualkv[hybrid]')")
+        if not q.is_cuda:
+            return "reference"
+        fla = q.dtype in KERNEL_DTYPES and fla_installed() and _fla_usable_on(q.device)
+        return "fla" if fla else "torch"
+    if backend == "fla":
+        if not fla_installed():
+            raise ValueError("backend 'fla' needs fla-core (pip install 'megatron-dualkv[hybrid]')")
+        if q.is_cuda and not _fla_usable_on(q.device):
+            import triton
+
+            raise ValueError(
+                f"fla-core's backward refuses compute capability {torch.cuda.get_device_capability(q.device)} "
+                f"(Hopper) with Triton {triton.__version__}, which miscompiles it (fla issue 640): install "
+                "Triton >= 3.7.1 or tilelang, or use backend='torch'")
     return backend
+
+
+def fla_usable(capability: Tuple[int, int], triton_version: str, tilelang: bool) -> bool:
+    """Whether fla-core 0.6.0's backward runs: it raises on Hopper (compute capability 9.x) with
+    Triton 3.4.0 up to 3.7.0, which miscompile it (fla issue 640), unless tilelang is there to take
+    over those kernels."""
+    miscompiling = Version("3.4.0") <= Version(triton_version) < Version("3.7.1")
+    return not (capability[0] == 9 and miscompiling and not tilelang)
+
+
+def _fla_usable_on(device) -> bool:
+    import triton
+
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    return fla_usable(torch.cuda.get_device_capability(device), triton.__version__, tilelang)
 
 
 def fla_installed() -> bool:
@@ -336,8 +378,8 @@ def fla_installed() -> bool:
     return True
 
 
-def _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
-    """ValueError naming what fla's kernel cannot take."""
+def _check_varlen_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
+    """ValueError naming the shape that the level-by-level backends cannot take."""
     check_layout(layout)
     tokens = layout.total_tokens
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -345,26 +387,41 @@ def _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None
             raise ValueError(f"{name} has {t.shape[0]} tokens, the layout {tokens}")
     if q.shape != k.shape:
         raise ValueError(f"k's shape {tuple(k.shape)} differs from q's {tuple(q.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"the fla backend takes {name} in bf16, fp16 or fp32, got {t.dtype} "
-                             "(float64 runs on the reference backend)")
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != v.shape[:2]:
             raise ValueError(f"{name} must be (tokens, value heads) = {tuple(v.shape[:2])}, got {tuple(t.shape)}")
-    if g.dtype != torch.float32:
-        raise ValueError(f"g (the log decay, summed over a chunk) must be float32, got {g.dtype}")
-    if initial_state is not None:
-        want = (v.shape[1], q.shape[2], v.shape[2])
-        if initial_state.shape != want:
-            raise ValueError(f"initial_state must be (value heads, Dk, Dv) = {want}, got {tuple(initial_state.shape)}")
-        if initial_state.dtype != torch.float32:
-            raise ValueError(f"the fla backend keeps states in float32; initial_state is {initial_state.dtype}")
+    want = (v.shape[1], q.shape[2], v.shape[2])
+    if initial_state is not None and initial_state.shape != want:
+        raise ValueError(f"initial_state must be (value heads, Dk, Dv) = {want}, got {tuple(initial_state.shape)}")
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be positive, got {scale!r}")
+
+
+def _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
+    """ValueError naming what fla's kernel cannot take."""
+    _check_varlen_inputs(q, k, v, g, beta, layout, scale, initial_state)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"the fla backend takes {name} in bf16, fp16 or fp32, got {t.dtype} "
+                             "(float64 runs on the torch and reference backends)")
+    if g.dtype != torch.float32:
+        raise ValueError(f"g (the log decay, summed over a chunk) must be float32, got {g.dtype}")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"the fla backend keeps states in float32; initial_state is {initial_state.dtype}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not t.is_cuda:
             raise ValueError(f"the fla backend runs on CUDA; {name} is on {t.device}")
+
+
+def _check_torch_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
+    """ValueError naming what ``torch_chunk_varlen`` cannot take: a decay or state below float32
+    would lose what the chunk's cumulative sum and the recurrence keep."""
+    _check_varlen_inputs(q, k, v, g, beta, layout, scale, initial_state)
+    wide = (torch.float32, torch.float64)
+    if g.dtype not in wide:
+        raise ValueError(f"g (the log decay, summed over a chunk) must be float32 or float64, got {g.dtype}")
+    if initial_state is not None and initial_state.dtype not in wide:
+        raise ValueError(f"the torch backend keeps states in float32 or float64; initial_state is {initial_state.dtype}")
 
 
 def _l2_normed(x: Tensor) -> Tensor:
