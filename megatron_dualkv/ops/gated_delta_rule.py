@@ -155,7 +155,6 @@ def fla_varlen(scale: float, qk_l2norm: bool) -> VarlenRule:
     return run
 
 
-
 def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> VarlenRule:
     """The chunked rule in plain PyTorch ops with ``fla_varlen``'s contract; autograd differentiates
     it (q, k, v, g, beta and the initial states). Computes in float32, float64 for float64 inputs.
@@ -232,14 +231,16 @@ def _chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
             = beta_t (v_t - exp(G_t) S^T k_t - sum_{j<t} exp(G_t - G_j) (k_t . k_j) u_j)
 
     so (I + A) U = diag(beta) V - diag(beta exp(G)) K S with A strictly lower triangular,
-    A_tj = beta_t exp(G_t - G_j) (k_t . k_j). Its inverse is the WY (UT-transform) form:
-    U = U0 - W S with U0 = (I + A)^-1 diag(beta) V and W = (I + A)^-1 diag(beta exp(G)) K, neither of
-    which depends on S, so every chunk's is solved at once. Then, per chunk in turn:
+    A_tj = beta_t exp(G_t - G_j) (k_t . k_j). Forward substitution (a unit lower-triangular solve)
+    gives the WY (UT-transform) form U = U0 - W S with U0 = (I + A)^-1 diag(beta) V and
+    W = (I + A)^-1 diag(beta exp(G)) K, neither of which depends on S, so every chunk's is solved at
+    once. Then, per chunk in turn:
 
         O     = diag(exp(G)) Q S + (Q K^T * D) U             D_tj = exp(G_t - G_j) for j <= t, else 0
         S_new = exp(G_C) S + (diag(exp(G_C - G)) K)^T U
 
-    Every exponent is <= 0 (G falls along the chunk), so nothing overflows whatever the decay.
+    With g <= 0 every exponent here is <= 0 (G falls along the chunk), so nothing overflows however
+    strong the decay: nothing is divided by exp(G).
     """
     size = g.shape[-1]
     log_decay = g.cumsum(-1)  # G
@@ -421,7 +422,8 @@ def _check_torch_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
     if g.dtype not in wide:
         raise ValueError(f"g (the log decay, summed over a chunk) must be float32 or float64, got {g.dtype}")
     if initial_state is not None and initial_state.dtype not in wide:
-        raise ValueError(f"the torch backend keeps states in float32 or float64; initial_state is {initial_state.dtype}")
+        raise ValueError("the torch backend keeps states in float32 or float64; "
+                         f"initial_state is {initial_state.dtype}")
 
 
 def _l2_normed(x: Tensor) -> Tensor:
