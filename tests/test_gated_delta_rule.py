@@ -1,7 +1,11 @@
 """The gated delta rule's reference on the packed layout (``ops.gated_delta_rule``): each segment
 continues from its parent's final state, so every trajectory gives what it gives alone, and a
 shared prefix's gradient is the sum over the trajectories that read it; the update is the
-published equation written as a matrix product."""
+published equation written as a matrix product. The chunked PyTorch rule (``torch_chunk_varlen``),
+run level by level, is that recurrence in float64, gradients included; the backend choice takes
+fla only where it runs."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
+from megatron_dualkv.ops import gated_delta_rule as gdr
 from megatron_dualkv.ops.gated_delta_rule import (
     _check_kernel_inputs,
     fla_installed,
@@ -282,3 +287,29 @@ def test_the_fla_backend_without_fla_says_what_to_install():
     inputs = [t.detach() for t in _inputs(layout.total_tokens)]
     with pytest.raises(ValueError, match=r"needs fla-core \(pip install 'megatron-dualkv\[hybrid\]'\)"):
         gated_delta_rule_func(*inputs, layout, backend="fla")
+
+
+def _on_cuda(dtype):
+    """What the backend choice reads of q, as on a GPU (there is none here)."""
+    return SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("environment, dtype, want", [
+    (((9, 0), "3.6.0", False), torch.bfloat16, "torch"),
+    (((9, 0), "3.7.1", False), torch.bfloat16, "fla"),
+    (((8, 0), "3.6.0", False), torch.bfloat16, "fla"),
+    (((8, 0), "3.6.0", False), torch.float64, "torch"),  # a dtype fla does not take
+])
+def test_auto_takes_fla_on_cuda_only_where_it_is_usable(monkeypatch, environment, dtype, want):
+    monkeypatch.setattr(gdr, "fla_installed", lambda: True)
+    monkeypatch.setattr(gdr, "_fla_environment", lambda device: environment)
+    assert gdr._backend(_on_cuda(dtype), "auto") == want
+    assert gdr._backend(torch.empty(0, dtype=dtype), "auto") == "reference"
+
+
+def test_fla_where_it_miscompiles_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(gdr, "fla_installed", lambda: True)
+    monkeypatch.setattr(gdr, "_fla_environment", lambda device: ((9, 0), "3.6.0", False))
+    with pytest.raises(ValueError, match=r"refuses compute capability \(9, 0\) \(Hopper\) with Triton 3.6.0, .* "
+                                         r"install Triton >= 3.7.1 or tilelang, or use backend='torch'"):
+        gdr._backend(_on_cuda(torch.bfloat16), "fla")

@@ -341,18 +341,18 @@ def _backend(q: Tensor, backend: str) -> str:
     if backend == "auto":
         if not q.is_cuda:
             return "reference"
-        fla = q.dtype in KERNEL_DTYPES and fla_installed() and _fla_usable_on(q.device)
+        fla = q.dtype in KERNEL_DTYPES and fla_installed() and fla_usable(*_fla_environment(q.device))
         return "fla" if fla else "torch"
     if backend == "fla":
         if not fla_installed():
             raise ValueError("backend 'fla' needs fla-core (pip install 'megatron-dualkv[hybrid]')")
-        if q.is_cuda and not _fla_usable_on(q.device):
-            import triton
-
-            raise ValueError(
-                f"fla-core's backward refuses compute capability {torch.cuda.get_device_capability(q.device)} "
-                f"(Hopper) with Triton {triton.__version__}, which miscompiles it (fla issue 640): install "
-                "Triton >= 3.7.1 or tilelang, or use backend='torch'")
+        if q.is_cuda:
+            capability, triton_version, tilelang = _fla_environment(q.device)
+            if not fla_usable(capability, triton_version, tilelang):
+                raise ValueError(
+                    f"fla-core's backward refuses compute capability {capability} (Hopper) with Triton "
+                    f"{triton_version}, which miscompiles it (fla issue 640): install Triton >= 3.7.1 or "
+                    "tilelang, or use backend='torch'")
     return backend
 
 
@@ -364,11 +364,11 @@ def fla_usable(capability: Tuple[int, int], triton_version: str, tilelang: bool)
     return not (capability[0] == 9 and miscompiling and not tilelang)
 
 
-def _fla_usable_on(device) -> bool:
+def _fla_environment(device) -> Tuple[Tuple[int, int], str, bool]:
+    """What ``fla_usable`` decides on: the GPU's compute capability, Triton's version, tilelang."""
     import triton
 
-    tilelang = importlib.util.find_spec("tilelang") is not None
-    return fla_usable(torch.cuda.get_device_capability(device), triton.__version__, tilelang)
+    return torch.cuda.get_device_capability(device), triton.__version__, importlib.util.find_spec("tilelang") is not None
 
 
 def fla_installed() -> bool:
