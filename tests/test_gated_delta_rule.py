@@ -1,7 +1,11 @@
 """The gated delta rule's reference on the packed layout (``ops.gated_delta_rule``): each segment
 continues from its parent's final state, so every trajectory gives what it gives alone, and a
 shared prefix's gradient is the sum over the trajectories that read it; the update is the
-published equation written as a matrix product."""
+published equation written as a matrix product. The chunked PyTorch rule (``torch_chunk_varlen``),
+run level by level, is that recurrence in float64, gradients included; the backend choice takes
+fla only where it runs."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,11 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
+from megatron_dualkv.ops import gated_delta_rule as gdr
 from megatron_dualkv.ops.gated_delta_rule import (
     _check_kernel_inputs,
+    fla_installed,
+    fla_usable,
     gated_delta_rule_func,
     gated_delta_rule_reference,
     run_by_level,
+    torch_chunk_varlen,
 )
 from strategies import layout_lengths, tree_lengths
 
@@ -180,7 +188,7 @@ def test_what_the_kernel_cannot_take_is_named():
     with pytest.raises(ValueError, match="backend must be one of"):
         gated_delta_rule_func(q, k, v, g, beta, layout, backend="cuda")
     bf16 = [t.to(torch.bfloat16) for t in (q, k, v)]
-    with pytest.raises(ValueError, match="float64 runs on the reference backend"):
+    with pytest.raises(ValueError, match="float64 runs on the torch and reference backends"):
         _check_kernel_inputs(q, k, v, g, beta, layout, None, None)
     with pytest.raises(ValueError, match="g .* must be float32"):
         _check_kernel_inputs(*bf16, g, beta, layout, None, None)
@@ -188,3 +196,120 @@ def test_what_the_kernel_cannot_take_is_named():
         _check_kernel_inputs(*bf16, g.float(), beta.float(), layout, None, torch.zeros(2, 3, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="runs on CUDA"):
         _check_kernel_inputs(*bf16, g.float(), beta.float(), layout, None, None)
+
+
+def _layout(draw, groups):
+    if groups:
+        prompt_lens, response_lens = layout_lengths(draw, max_groups=3, max_prompt=9, max_responses=3, max_response=6)
+        return DualKVLayout(prompt_lens, response_lens, pad_len=draw(st.integers(0, 3)))
+    return TreeLayout(*tree_lengths(draw, max_segments=6, max_len=9))
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16), with_initial=st.booleans(), groups=st.booleans(),
+       qk_l2norm=st.booleans())
+def test_the_chunked_rule_is_the_recurrence(data, seed, with_initial, groups, qk_l2norm):
+    """``torch_chunk_varlen`` (chunks of 4, so segments shorter than, equal to and several chunks
+    long, padded to whole chunks) run by level equals the reference recurrence in float64 on grouped
+    values (HV = 2 H): outputs, final states, every gradient."""
+    layout = _layout(data.draw, groups)
+    q, k, _, _, _ = _inputs(layout.total_tokens, heads=2, seed=seed)
+    _, _, v, g, beta = _inputs(layout.total_tokens, heads=4, seed=seed + 1)
+    h0 = torch.randn(4, 3, 4, dtype=torch.float64, requires_grad=True) if with_initial else None
+    got = run_by_level(torch_chunk_varlen(0.6, qk_l2norm, chunk_size=4), q, k, v, g, beta, layout, initial_state=h0)
+    norm = (lambda x: x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)) if qk_l2norm else (lambda x: x)
+    want = gated_delta_rule_reference(norm(q).repeat_interleave(2, 1), norm(k).repeat_interleave(2, 1), v, g, beta,
+                                      layout, scale=0.6, initial_state=h0)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    leaves = [q, k, v, g, beta] + ([h0] if with_initial else [])
+    gen = torch.Generator().manual_seed(seed + 2)
+    douts = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in want]
+    for a, b in zip(torch.autograd.grad(got, leaves, douts), torch.autograd.grad(want, leaves, douts)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_the_torch_backend_keeps_v_dtype_and_float32_states():
+    """bf16 q, k, v with float32 decay, beta and state (the layers' dtypes): the output in bf16 and
+    the final states in float32, within bf16 roundings of the float64 recurrence."""
+    layout = DualKVLayout((70,), ((9, 66),))
+    q, k, v, g, beta = (t.detach() for t in _inputs(layout.total_tokens, heads=2, dk=8, dv=8, seed=3))
+    low = [t.to(torch.bfloat16) for t in (q, k, v)]
+    out, finals = gated_delta_rule_func(*low, g.float(), beta.float(), layout, backend="torch")
+    assert out.dtype == torch.bfloat16 and finals.dtype == torch.float32
+    want, want_finals = gated_delta_rule_reference(*(t.double() for t in low), g, beta, layout)
+    torch.testing.assert_close(out.double(), want, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(finals.double(), want_finals, rtol=1e-4, atol=1e-4)
+
+
+def test_the_torch_backend_matches_the_reference_backend():
+    layout = TreeLayout((5, 70, 3, 66), (-1, 0, 0, -1))
+    q, k, _, _, _ = (t.detach() for t in _inputs(layout.total_tokens, heads=1, seed=4))
+    _, _, v, g, beta = (t.detach() for t in _inputs(layout.total_tokens, heads=2, seed=5))
+    h0 = torch.randn(2, 3, 4, dtype=torch.float64)
+    got = gated_delta_rule_func(q, k, v, g, beta, layout, initial_state=h0, qk_l2norm=True, backend="torch")
+    want = gated_delta_rule_func(q, k, v, g, beta, layout, initial_state=h0, qk_l2norm=True, backend="reference")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_what_the_torch_backend_cannot_take_is_named():
+    layout = DualKVLayout((4,), ((3,),))
+    q, k, v, g, beta = (t.detach() for t in _inputs(layout.total_tokens))
+    with pytest.raises(ValueError, match="g .* must be float32 or float64, got torch.bfloat16"):
+        gated_delta_rule_func(q, k, v, g.bfloat16(), beta, layout, backend="torch")
+    with pytest.raises(ValueError, match="keeps states in float32 or float64; initial_state is torch.float16"):
+        gated_delta_rule_func(q, k, v, g, beta, layout, initial_state=torch.zeros(2, 3, 4, dtype=torch.float16),
+                              backend="torch")
+    with pytest.raises(ValueError, match=r"initial_state must be \(value heads, Dk, Dv\) = \(2, 3, 4\)"):
+        gated_delta_rule_func(q, k, v, g, beta, layout, initial_state=torch.zeros(2, 4, 3, dtype=torch.float64),
+                              backend="torch")
+
+
+@pytest.mark.parametrize("capability, triton, tilelang, usable", [
+    ((9, 0), "3.6.0", False, False),  # torch 2.11's Triton on Hopper: fla's backward raises
+    ((9, 0), "3.4.0", False, False),
+    ((9, 0), "3.7.0", False, False),
+    ((9, 0), "3.7.1", False, True),
+    ((9, 0), "3.3.1", False, True),
+    ((9, 0), "3.6.0", True, True),  # tilelang takes over the miscompiled kernels
+    ((8, 0), "3.6.0", False, True),
+    ((10, 0), "3.6.0", False, True),
+])
+def test_fla_is_usable_except_on_hopper_with_a_miscompiling_triton(capability, triton, tilelang, usable):
+    assert fla_usable(capability, triton, tilelang) is usable
+
+
+@pytest.mark.skipif(fla_installed(), reason="checks the message without fla")
+def test_the_fla_backend_without_fla_says_what_to_install():
+    layout = DualKVLayout((4,), ((3,),))
+    inputs = [t.detach() for t in _inputs(layout.total_tokens)]
+    with pytest.raises(ValueError, match=r"needs fla-core \(pip install 'megatron-dualkv\[hybrid\]'\)"):
+        gated_delta_rule_func(*inputs, layout, backend="fla")
+
+
+def _on_cuda(dtype):
+    """What the backend choice reads of q, as on a GPU (there is none here)."""
+    return SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("environment, dtype, want", [
+    (((9, 0), "3.6.0", False), torch.bfloat16, "torch"),
+    (((9, 0), "3.7.1", False), torch.bfloat16, "fla"),
+    (((8, 0), "3.6.0", False), torch.bfloat16, "fla"),
+    (((8, 0), "3.6.0", False), torch.float64, "torch"),  # a dtype fla does not take
+])
+def test_auto_takes_fla_on_cuda_only_where_it_is_usable(monkeypatch, environment, dtype, want):
+    monkeypatch.setattr(gdr, "fla_installed", lambda: True)
+    monkeypatch.setattr(gdr, "_fla_environment", lambda device: environment)
+    assert gdr._backend(_on_cuda(dtype), "auto") == want
+    assert gdr._backend(torch.empty(0, dtype=dtype), "auto") == "reference"
+
+
+def test_fla_where_it_miscompiles_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(gdr, "fla_installed", lambda: True)
+    monkeypatch.setattr(gdr, "_fla_environment", lambda device: ((9, 0), "3.6.0", False))
+    with pytest.raises(ValueError, match=r"refuses compute capability \(9, 0\) \(Hopper\) with Triton 3.6.0, .* "
+                                         r"install Triton >= 3.7.1 or tilelang, or use backend='torch'"):
+        gdr._backend(_on_cuda(torch.bfloat16), "fla")

@@ -1,17 +1,35 @@
-"""fla's chunked gated delta rule run once per tree level (``ops.gated_delta_rule``) on a GPU: on
-the packed layout in bf16, each trajectory's outputs and every input gradient within 2x the error
-that the same kernel makes on the replicated layout (each trajectory a sequence from zero state),
-both measured against the float64 reference recurrence; and, since a kernel bug would show on both
-layouts alike, within a few bf16 roundings of the float64 result outright."""
+"""The chunked gated delta rule run once per tree level (``ops.gated_delta_rule``) on a GPU, fla's
+Triton kernel and the PyTorch one (``torch_chunk_varlen``): on the packed layout in bf16, each
+trajectory's outputs and every input gradient within 2x the error that the same backend makes on
+the replicated layout (each trajectory a sequence from zero state), both measured against the
+float64 reference recurrence; and, since a kernel bug would show on both layouts alike, within a
+few bf16 roundings of the float64 result outright."""
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
-from megatron_dualkv.ops.gated_delta_rule import fla_installed, gated_delta_rule_func
+from megatron_dualkv.ops.gated_delta_rule import fla_installed, fla_usable, gated_delta_rule_func
 from flash_check import assert_within_twice_the_reference_error
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fla_installed()), reason="needs a CUDA GPU and fla")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _fla_runs_here():
+    if not (torch.cuda.is_available() and fla_installed()):
+        return False
+    import triton
+
+    return fla_usable(torch.cuda.get_device_capability(), triton.__version__,
+                      importlib.util.find_spec("tilelang") is not None)
+
+
+BACKENDS = [
+    pytest.param("fla", marks=pytest.mark.skipif(not _fla_runs_here(), reason="needs fla, usable on this GPU")),
+    "torch",
+]
 
 # bf16 keeps 8 significant bits (0.4%); the chunked kernel rounds its inputs and intermediates, so a
 # few of those, not the O(1) of a wrong gradient
@@ -59,16 +77,17 @@ def _trajectory_outputs_and_grads(inputs, layout, paths, douts, dtype, backend, 
     return (out, *torch.autograd.grad(out, leaves, douts.to(out.dtype)))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["group", "groups-padded", "tree"])
 @pytest.mark.parametrize("heads, value_heads", [(2, 2), (2, 4)])
-def test_levels_within_twice_the_replicated_error(layout, heads, value_heads):
+def test_levels_within_twice_the_replicated_error(layout, heads, value_heads, backend):
     inputs = _inputs(layout.total_tokens, heads, value_heads, 128, seed=heads + value_heads)
     paths = _trajectories(layout)
     douts = torch.randn(sum(len(p) for p in paths), value_heads, 128, device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(7))
     exact = _trajectory_outputs_and_grads(inputs, layout, paths, douts, torch.float64, "reference", False)
-    ours = _trajectory_outputs_and_grads(inputs, layout, paths, douts, torch.bfloat16, "fla", False)
-    replicated = _trajectory_outputs_and_grads(inputs, layout, paths, douts, torch.bfloat16, "fla", True)
+    ours = _trajectory_outputs_and_grads(inputs, layout, paths, douts, torch.bfloat16, backend, False)
+    replicated = _trajectory_outputs_and_grads(inputs, layout, paths, douts, torch.bfloat16, backend, True)
     for name, a, b, e in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), ours, replicated, exact):
         assert torch.isfinite(a).all(), name
         assert_within_twice_the_reference_error(name, a, b, e, eps=1e-3)

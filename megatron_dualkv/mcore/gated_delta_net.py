@@ -7,8 +7,8 @@ Two pieces carry state across a segment boundary, and both follow the layout's t
 * the short causal convolution (width K, 4) over q, k and v: a response's first K-1 tokens read
   the last K-1 inputs of its path (``ops.causal_conv1d_func``);
 * the gated delta rule: a response starts from its prompt's final state, per head a (Dk, Dv)
-  matrix (``ops.gated_delta_rule_func``: fla's chunked kernel once per tree level on CUDA, the
-  reference recurrence elsewhere).
+  matrix (``ops.gated_delta_rule_func``: a chunked kernel once per tree level on CUDA, fla's where
+  it is usable, else the PyTorch one; the reference recurrence elsewhere).
 
 Autograd through those gathers sums a shared state's gradient over its children. Without packed
 params (the replicated layout) each row of the batch is one sequence from zero state.

@@ -18,20 +18,31 @@ each trajectory run alone. A shared state feeds several children, so its gradien
 them: autograd gets that from the reuse of one tensor.
 
 ``gated_delta_rule_reference`` is the oracle: O(T Dk Dv) per head, token by token, on any device.
-``gated_delta_rule_func`` is what the layers call: on CUDA, fla's chunked kernel
-(``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, fla-core 0.6.0; the ``hybrid`` extra) once per
-tree level, every segment of a level one variable-length sequence whose initial state is its
-parent's final state (fla returns final states and takes their gradients), so a group
-``[P][R1]..[RN]`` is two calls: the prompt, then the N responses from the prompt's state.
-Elsewhere, and in float64, the reference.
+``gated_delta_rule_func`` is what the layers call. Its chunked backends run once per tree level
+(``run_by_level``), every segment of a level one variable-length sequence whose initial state is
+its parent's final state, so a group ``[P][R1]..[RN]`` is two calls: the prompt, then the N
+responses from the prompt's state. The backends:
+
+* ``"fla"``: fla's Triton kernel (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, fla-core
+  0.6.0; the ``hybrid`` extra), which returns final states and takes their gradients. Its backward
+  refuses Hopper with Triton 3.4 to 3.7.0 (a Triton miscompile, fla issue 640; torch 2.11 pins
+  Triton 3.6) unless tilelang is installed: ``fla_usable``.
+* ``"torch"``: ``torch_chunk_varlen``, the same chunked (WY) form in plain PyTorch ops, which
+  autograd differentiates; any device, float32 (float64 for float64 inputs) inside.
+* ``"reference"``: the oracle, for the tests and CPU runs.
+
+``"auto"`` takes fla on CUDA where it is installed and usable, else torch on CUDA, and the
+reference elsewhere.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
+from packaging.version import Version
 from torch import Tensor
 
 from ..layout import PackedLayout
@@ -75,7 +86,7 @@ def gated_delta_rule_reference(
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "fla", "reference")
+BACKENDS = ("auto", "fla", "torch", "reference")
 
 
 def gated_delta_rule_func(
@@ -98,8 +109,9 @@ def gated_delta_rule_func(
     kernel. Returns the output (T, HV, Dv) in v's dtype and each segment's final state
     (S, HV, Dk, Dv) in float32 (float64 for float64 inputs), S = ``len(layout.nodes)``.
 
-    backend: "fla" (CUDA; bf16, fp16 or fp32 inputs), "reference", or "auto": fla on CUDA when it
-    is installed and the dtype is one it takes, else the reference.
+    backend: "fla" (CUDA; bf16, fp16 or fp32 inputs), "torch" (``torch_chunk_varlen``, any device
+    and float dtype), "reference", or "auto": on CUDA fla when it is installed, usable on this GPU
+    and Triton (``fla_usable``) and takes the dtype, else torch; elsewhere the reference.
     """
     backend = _backend(q, backend)
     if q.dim() == 3 and v.dim() == 3 and v.shape[1] % q.shape[1]:
@@ -115,8 +127,13 @@ def gated_delta_rule_func(
         out, finals = gated_delta_rule_reference(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), layout, scale,
                                                  None if initial_state is None else initial_state.to(dtype))
         return out.to(v.dtype), finals.float() if dtype != torch.float64 else finals
-    _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state)
-    run = fla_varlen(scale if scale is not None else q.shape[2] ** -0.5, qk_l2norm)
+    scale = scale if scale is not None else q.shape[2] ** -0.5
+    if backend == "fla":
+        _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state)
+        run = fla_varlen(scale, qk_l2norm)
+    else:
+        _check_torch_inputs(q, k, v, g, beta, layout, scale, initial_state)
+        run = torch_chunk_varlen(scale, qk_l2norm)
     return run_by_level(run, q, k, v, g, beta, layout, initial_state)
 
 
@@ -136,6 +153,116 @@ def fla_varlen(scale: float, qk_l2norm: bool) -> VarlenRule:
         return out[0], final
 
     return run
+
+
+def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> VarlenRule:
+    """The chunked rule in plain PyTorch ops with ``fla_varlen``'s contract; autograd differentiates
+    it (q, k, v, g, beta and the initial states). Computes in float32, float64 for float64 inputs.
+
+    Every sequence is padded to the longest one's whole number of chunks, so the N sequences run as
+    one (N, HV, chunks, C, D) batch and only the state recurrence loops, over the chunk index. Padding
+    is inert: g = 0 keeps the decay, beta = 0 and k = 0 add nothing to the state.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+
+    def run(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial):
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        q, k = q.to(dtype), k.to(dtype)
+        if qk_l2norm:
+            q, k = _l2_normed(q), _l2_normed(k)
+        repeat = v.shape[1] // q.shape[1]
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        padding = _ChunkPadding.of(cu_seqlens_cpu, chunk_size, q.device)
+        chunked = [padding.chunked(x.to(dtype)) for x in (q * scale, k, v, g, beta)]
+        if initial is None:
+            initial = q.new_zeros(padding.sequences, v.shape[1], q.shape[2], v.shape[2])
+        out, final = _chunk_recurrence(*chunked, initial.to(dtype))
+        return padding.unchunked(out).to(v.dtype), final
+
+    return run
+
+
+@dataclass(frozen=True)
+class _ChunkPadding:
+    """Packed tokens <-> an (N, HV, chunks, C, ...) batch, each sequence zero-padded at its end."""
+
+    gather: Tensor  # (N * chunks * C,): each padded place's packed token; T (a zero row) for padding
+    real: Tensor  # (T,): each packed token's padded place
+    sequences: int
+    chunks: int
+    chunk_size: int
+
+    @staticmethod
+    def of(cu_seqlens_cpu: Tensor, chunk_size: int, device) -> "_ChunkPadding":
+        # from the host copy, so that planning the padding does not wait for the GPU
+        starts, lengths = cu_seqlens_cpu[:-1], cu_seqlens_cpu.diff()
+        sequences, tokens = len(lengths), int(cu_seqlens_cpu[-1])
+        chunks = -(-int(lengths.max()) // chunk_size)
+        width = chunks * chunk_size
+        offset = torch.arange(width, dtype=torch.int64)
+        inside = offset[None, :] < lengths[:, None]
+        gather = torch.where(inside, starts[:, None] + offset[None, :], tokens).flatten()
+        real = (torch.arange(sequences, dtype=torch.int64)[:, None] * width + offset[None, :])[inside]
+        return _ChunkPadding(gather.to(device), real.to(device), sequences, chunks, chunk_size)
+
+    def chunked(self, x: Tensor) -> Tensor:
+        """(T, HV, ...) -> (N, HV, chunks, C, ...)."""
+        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, self.gather)
+        padded = padded.view(self.sequences, self.chunks, self.chunk_size, *x.shape[1:])
+        return padded.movedim(3, 1)
+
+    def unchunked(self, x: Tensor) -> Tensor:
+        """(N, HV, chunks, C, ...) -> (T, HV, ...), the padding dropped."""
+        return x.movedim(1, 3).flatten(0, 2).index_select(0, self.real)
+
+
+def _chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tuple[Tensor, Tensor]:
+    """The gated delta rule chunk by chunk (Yang et al., "Parallelizing Linear Transformers with the
+    Delta Rule over Sequence Length", 2024, with Gated DeltaNet's scalar decay). q (already scaled),
+    k: (..., chunks, C, Dk); v: (..., chunks, C, Dv); g, beta: (..., chunks, C); state: (..., Dk, Dv),
+    the state before the first chunk. Returns the outputs (..., chunks, C, Dv) and the last state.
+
+    Within a chunk that starts from state S, let G_t = g_1 + .. + g_t (the log of the decay from the
+    chunk's start through token t). Unrolling h_t = exp(g_t) h_{t-1} + k_t u_t^T:
+
+        h_t = exp(G_t) S + sum_{j<=t} exp(G_t - G_j) k_j u_j^T
+        u_t = beta_t (v_t - (exp(g_t) h_{t-1})^T k_t)
+            = beta_t (v_t - exp(G_t) S^T k_t - sum_{j<t} exp(G_t - G_j) (k_t . k_j) u_j)
+
+    so (I + A) U = diag(beta) V - diag(beta exp(G)) K S with A strictly lower triangular,
+    A_tj = beta_t exp(G_t - G_j) (k_t . k_j). Forward substitution (a unit lower-triangular solve)
+    gives the WY (UT-transform) form U = U0 - W S with U0 = (I + A)^-1 diag(beta) V and
+    W = (I + A)^-1 diag(beta exp(G)) K, neither of which depends on S, so every chunk's is solved at
+    once. Then, per chunk in turn:
+
+        O     = diag(exp(G)) Q S + (Q K^T * D) U             D_tj = exp(G_t - G_j) for j <= t, else 0
+        S_new = exp(G_C) S + (diag(exp(G_C - G)) K)^T U
+
+    With g <= 0 every exponent here is <= 0 (G falls along the chunk), so nothing overflows however
+    strong the decay: nothing is divided by exp(G).
+    """
+    size = g.shape[-1]
+    log_decay = g.cumsum(-1)  # G
+    future = torch.ones(size, size, dtype=torch.bool, device=g.device).triu(1)
+    pairwise = log_decay[..., :, None] - log_decay[..., None, :]  # G_t - G_j
+    # masked before the exponent: above the diagonal G_t - G_j > 0 and may overflow
+    decay = pairwise.masked_fill(future, float("-inf")).exp()  # D
+    lower = ((k @ k.transpose(-1, -2)) * decay * beta[..., :, None]).tril(-1)  # A
+    eye = torch.eye(size, dtype=k.dtype, device=k.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * log_decay.exp())[..., None] * k], dim=-1)
+    solved = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+    u0, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    attention = (q @ k.transpose(-1, -2)) * decay
+    read_state = log_decay.exp()[..., None] * q  # diag(exp(G)) Q
+    to_end = (log_decay[..., -1:] - log_decay).exp()[..., None] * k  # diag(exp(G_C - G)) K
+    chunk_decay = log_decay[..., -1].exp()  # exp(G_C)
+    outputs = []
+    for c in range(g.shape[-2]):
+        u = u0[..., c, :, :] - w[..., c, :, :] @ state
+        outputs.append(read_state[..., c, :, :] @ state + attention[..., c, :, :] @ u)
+        state = chunk_decay[..., c, None, None] * state + to_end[..., c, :, :].transpose(-1, -2) @ u
+    return torch.stack(outputs, dim=-3), state
 
 
 @dataclass(frozen=True)
@@ -212,11 +339,36 @@ def _backend(q: Tensor, backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        usable = q.is_cuda and q.dtype in KERNEL_DTYPES and fla_installed()
-        return "fla" if usable else "reference"
-    if backend == "fla" and not fla_installed():
-        raise ValueError("backend 'fla' needs fla-core (pip install 'megatron-dualkv[hybrid]')")
+        if not q.is_cuda:
+            return "reference"
+        fla = q.dtype in KERNEL_DTYPES and fla_installed() and fla_usable(*_fla_environment(q.device))
+        return "fla" if fla else "torch"
+    if backend == "fla":
+        if not fla_installed():
+            raise ValueError("backend 'fla' needs fla-core (pip install 'megatron-dualkv[hybrid]')")
+        if q.is_cuda:
+            capability, triton_version, tilelang = _fla_environment(q.device)
+            if not fla_usable(capability, triton_version, tilelang):
+                raise ValueError(
+                    f"fla-core's backward refuses compute capability {capability} (Hopper) with Triton "
+                    f"{triton_version}, which miscompiles it (fla issue 640): install Triton >= 3.7.1 or "
+                    "tilelang, or use backend='torch'")
     return backend
+
+
+def fla_usable(capability: Tuple[int, int], triton_version: str, tilelang: bool) -> bool:
+    """Whether fla-core 0.6.0's backward runs: it raises on Hopper (compute capability 9.x) with
+    Triton 3.4.0 up to 3.7.0, which miscompile it (fla issue 640), unless tilelang is there to take
+    over those kernels."""
+    miscompiling = Version("3.4.0") <= Version(triton_version) < Version("3.7.1")
+    return not (capability[0] == 9 and miscompiling and not tilelang)
+
+
+def _fla_environment(device) -> Tuple[Tuple[int, int], str, bool]:
+    """What ``fla_usable`` decides on: the GPU's compute capability, Triton's version, tilelang."""
+    import triton
+
+    return torch.cuda.get_device_capability(device), triton.__version__, importlib.util.find_spec("tilelang") is not None
 
 
 def fla_installed() -> bool:
@@ -227,8 +379,8 @@ def fla_installed() -> bool:
     return True
 
 
-def _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
-    """ValueError naming what fla's kernel cannot take."""
+def _check_varlen_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
+    """ValueError naming the shape that the level-by-level backends cannot take."""
     check_layout(layout)
     tokens = layout.total_tokens
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -236,26 +388,42 @@ def _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None
             raise ValueError(f"{name} has {t.shape[0]} tokens, the layout {tokens}")
     if q.shape != k.shape:
         raise ValueError(f"k's shape {tuple(k.shape)} differs from q's {tuple(q.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"the fla backend takes {name} in bf16, fp16 or fp32, got {t.dtype} "
-                             "(float64 runs on the reference backend)")
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != v.shape[:2]:
             raise ValueError(f"{name} must be (tokens, value heads) = {tuple(v.shape[:2])}, got {tuple(t.shape)}")
-    if g.dtype != torch.float32:
-        raise ValueError(f"g (the log decay, summed over a chunk) must be float32, got {g.dtype}")
-    if initial_state is not None:
-        want = (v.shape[1], q.shape[2], v.shape[2])
-        if initial_state.shape != want:
-            raise ValueError(f"initial_state must be (value heads, Dk, Dv) = {want}, got {tuple(initial_state.shape)}")
-        if initial_state.dtype != torch.float32:
-            raise ValueError(f"the fla backend keeps states in float32; initial_state is {initial_state.dtype}")
+    want = (v.shape[1], q.shape[2], v.shape[2])
+    if initial_state is not None and initial_state.shape != want:
+        raise ValueError(f"initial_state must be (value heads, Dk, Dv) = {want}, got {tuple(initial_state.shape)}")
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be positive, got {scale!r}")
+
+
+def _check_kernel_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
+    """ValueError naming what fla's kernel cannot take."""
+    _check_varlen_inputs(q, k, v, g, beta, layout, scale, initial_state)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"the fla backend takes {name} in bf16, fp16 or fp32, got {t.dtype} "
+                             "(float64 runs on the torch and reference backends)")
+    if g.dtype != torch.float32:
+        raise ValueError(f"g (the log decay, summed over a chunk) must be float32, got {g.dtype}")
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        raise ValueError(f"the fla backend keeps states in float32; initial_state is {initial_state.dtype}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not t.is_cuda:
             raise ValueError(f"the fla backend runs on CUDA; {name} is on {t.device}")
+
+
+def _check_torch_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
+    """ValueError naming what ``torch_chunk_varlen`` cannot take: a decay or state below float32
+    would lose what the chunk's cumulative sum and the recurrence keep."""
+    _check_varlen_inputs(q, k, v, g, beta, layout, scale, initial_state)
+    wide = (torch.float32, torch.float64)
+    if g.dtype not in wide:
+        raise ValueError(f"g (the log decay, summed over a chunk) must be float32 or float64, got {g.dtype}")
+    if initial_state is not None and initial_state.dtype not in wide:
+        raise ValueError("the torch backend keeps states in float32 or float64; "
+                         f"initial_state is {initial_state.dtype}")
 
 
 def _l2_normed(x: Tensor) -> Tensor:
