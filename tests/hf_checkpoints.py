@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_dualkv.models import ModelCard, load_card
-from test_hf_state_dicts import hf_model
+from test_hf_state_dicts import QWEN3_YARN, hf_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import convert_checkpoint  # noqa: E402
@@ -26,12 +26,14 @@ UNEVEN_CARDS = {
     "gemma3-uneven": ModelCard("gemma3-uneven", {**load_card("gemma3-tiny").config, "num_hidden_layers": 5,
                                                  "vocab_size": 300}),
 }
-CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny", "qwen3-next-tiny", *UNEVEN_CARDS]
+# and YaRN RoPE, whose rope parameters the config.json of both directions keeps
+TEST_CARDS = {**UNEVEN_CARDS, QWEN3_YARN.name: QWEN3_YARN}
+CARDS = ["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny", "qwen3-next-tiny", *TEST_CARDS]
 # the parallel sizes each checkpoint is converted for (Gemma 4's one global key/value head allows no tp)
 CONVERT_SIZES = {
     "qwen3-tiny": dict(tp=2, pp=2), "qwen3-moe-tiny": dict(ep=2), "gemma3-tiny": dict(tp=2), "gemma4-tiny": {},
     "qwen3_5-tiny": dict(tp=2), "qwen3-next-tiny": dict(ep=2),
-    "qwen3-uneven": dict(tp=2, pp=2), "gemma3-uneven": dict(pp=2),
+    "qwen3-uneven": dict(tp=2, pp=2), "gemma3-uneven": dict(pp=2), QWEN3_YARN.name: {},
 }
 SHARD_SIZE = "100KB"  # several shards with an index, as published checkpoints come
 
@@ -68,7 +70,7 @@ def converted(tmp_path_factory) -> Dict[str, Converted]:
     root = tmp_path_factory.mktemp("checkpoints")
     out = {}
     for name in CARDS:
-        card = UNEVEN_CARDS.get(name) or load_card(name)
+        card = TEST_CARDS.get(name) or load_card(name)
         hf = hf_model(card)
         hf_dir, megatron_dir = root / name / "hf", root / name / "megatron"
         hf.save_pretrained(hf_dir, max_shard_size=SHARD_SIZE)

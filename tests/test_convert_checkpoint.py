@@ -13,11 +13,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from hf_checkpoints import CARDS, CONVERT_SIZES, SHARD_SIZE, convert, converted, index_files, safetensors_files  # noqa: F401
-from megatron_dualkv.models import hf_to_megatron, load_model, megatron_to_hf
+from megatron_dualkv.models import hf_to_megatron, load_model, megatron_to_hf, save_model
 from megatron_dualkv.models import hf_folder
 from megatron_dualkv.rl import forward_logprobs
 from rollouts import device_of, make_batch, max_abs_diff
-from test_hf_state_dicts import SHAPES, hf_response_logprobs
+from test_hf_state_dicts import QWEN3_YARN, SHAPES, hf_response_logprobs
 
 
 @pytest.fixture(params=CARDS)
@@ -201,6 +201,28 @@ def test_megatron_checkpoint_of_another_model_is_refused(converted, tmp_path):  
     with pytest.raises(ValueError, match=r"other shapes decoder\.layers\.0\.mlp\.linear_fc1\.weight \(256, 64\) \(expected \(128, 64\)\)"):
         megatron_to_hf(folder, tmp_path / "hf", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron"]
+
+
+# ------------------------------------------------------------------------------ YaRN
+
+
+def test_yarn_survives_the_round_trips(converted, tmp_path):  # noqa: F811
+    """transformers 5 writes YaRN as rope_parameters (the conversions above keep its config.json);
+    a card's transformers 4 rope_scaling goes out with save_model and megatron_to_hf unchanged, and
+    transformers loads either folder as the YaRN model."""
+    checkpoint = converted[QWEN3_YARN.name]
+    written = json.loads((checkpoint.hf_dir / "config.json").read_text())["rope_parameters"]
+    assert {k: written[k] for k in ("rope_type", "factor", "original_max_position_embeddings")} == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    saved, back = tmp_path / "saved", tmp_path / "back"
+    save_model(load_model(checkpoint.megatron_dir), QWEN3_YARN, saved)
+    megatron_to_hf(saved, back, progress=False)
+    assert json.loads((back / "config.json").read_text())["rope_scaling"] == QWEN3_YARN.config["rope_scaling"]
+    reloaded = AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    assert reloaded.config.rope_parameters["rope_type"] == "yarn"
+    ids = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, checkpoint.hf(ids).logits, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------ multimodal checkpoints

@@ -1,7 +1,8 @@
 """Hugging Face <-> Megatron state dicts of every family (``ModelFamily.hf_to_megatron`` /
 ``megatron_to_hf``), against transformers' own models as the oracle: a tiny random-weight HF
 model (built from its config class, no downloads) mapped onto ours gives the same logits on plain
-sequences and the same per-response log-probs through the packed layout."""
+sequences and the same per-response log-probs through the packed layout. A Qwen3 card with YaRN
+RoPE runs the same tests, its positions past the original context."""
 import pytest
 import torch
 from transformers import (
@@ -19,7 +20,7 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
-from megatron_dualkv.models import FAMILIES, build_model, load_card, load_megatron_state_dict
+from megatron_dualkv.models import FAMILIES, ModelCard, build_model, load_card, load_megatron_state_dict
 from megatron_dualkv.rl import forward_logprobs
 from rollouts import device_of, make_batch, max_abs_diff
 
@@ -33,6 +34,17 @@ HF_MODELS = {
 }
 # prompts longer than the Gemma cards' sliding window of 6
 SHAPES = [(9, [3, 1, 7]), (2, [5, 2]), (13, [6, 1])]
+# YaRN as Qwen3 cards take it, scaled down: a context of 8 stretched 4 times, so most positions of
+# SHAPES and of the 21-token sequences lie past the original context
+QWEN3_YARN = ModelCard("qwen3-yarn-tiny", {
+    **load_card("qwen3-tiny").config, "name": "qwen3-yarn-tiny", "max_position_embeddings": 32, "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+})
+TEST_CARDS = {card.name: card for card in [QWEN3_YARN]}
+
+
+def card_named(name):
+    return TEST_CARDS.get(name) or load_card(name)
 
 
 def hf_model(card):
@@ -53,13 +65,19 @@ def hf_model(card):
 
 
 @pytest.fixture(scope="module", params=["qwen3-tiny", "qwen3-moe-tiny", "gemma3-tiny", "gemma4-tiny", "qwen3_5-tiny",
-                                                 "qwen3-next-tiny"])
+                                                 "qwen3-next-tiny", QWEN3_YARN.name])
 def models(request):
-    card = load_card(request.param)
-    ours = build_model(card).eval()
-    hf = hf_model(card).to(device_of(ours))
+    card = card_named(request.param)
+    hf = hf_model(card)
+    return card, hf, ours_of(card, hf)
+
+
+def ours_of(card, hf, **overrides):
+    """Our model of ``card`` with the weights of the transformers model ``hf`` (moved to our device)."""
+    ours = build_model(card, **overrides).eval()
+    hf.to(device_of(ours))
     load_megatron_state_dict(ours, FAMILIES[card.model_type].hf_to_megatron(card, ours.config, hf.state_dict()))
-    return card, hf, ours
+    return ours
 
 
 def test_round_trip_is_bitwise(models):
@@ -105,6 +123,23 @@ def test_packed_logprobs_equal_the_hugging_face_model(models):
     with torch.no_grad():
         got = forward_logprobs(ours, batch)
     assert max_abs_diff(got, hf_response_logprobs(hf, batch)) < 1e-5
+
+
+@pytest.mark.parametrize("dropped", ["rope_scaling", "attention factor"])
+def test_the_comparisons_see_a_dropped_yarn(dropped):
+    """Our YaRN model without its scaling (plain RoPE), or without YaRN's attention factor (mscale
+    1), is far from transformers' beyond the tolerance above, on plain and packed sequences alike."""
+    hf = hf_model(QWEN3_YARN)
+    if dropped == "rope_scaling":
+        ours = ours_of(ModelCard("plain", {**QWEN3_YARN.config, "rope_scaling": None}), hf)
+    else:  # mscale / mscale_all_dim of 0: Megatron's factor (0.1 * 0 * ln 4 + 1) / (0.1 * 0 * ln 4 + 1) = 1
+        ours = ours_of(QWEN3_YARN, hf, yarn_mscale=0.0, yarn_mscale_all_dim=0.0)
+    ids = torch.randint(0, 256, (3, 21), generator=torch.Generator().manual_seed(1)).to(device_of(ours))
+    batch = make_batch(SHAPES).to(device_of(ours))
+    with torch.no_grad():
+        logits = (ours(ids, torch.arange(21, device=ids.device).expand(3, 21), None) - hf(ids).logits).abs().max()
+        logprobs = max_abs_diff(forward_logprobs(ours, batch), hf_response_logprobs(hf, batch))
+    assert logits > 1e-3 and logprobs > 1e-3, (logits, logprobs)
 
 
 def test_state_dicts_that_do_not_fit_are_refused(models):

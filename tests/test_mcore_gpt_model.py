@@ -1,10 +1,12 @@
 """DualKVGPTModel: RoPE at the packed logical positions (responses continue from P)."""
+import math
+
 import pytest
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_dualkv.mcore import DualKVGPTModel, DualKVPackedSeqParams, ParallelSizes, dualkv_local_block_spec
-from megatron_dualkv.models import FAMILIES, build_model, build_transformer_config, load_card
+from megatron_dualkv.models import FAMILIES, ModelCard, build_model, build_transformer_config, load_card
 from rollouts import device_of, make_batch
 
 
@@ -36,6 +38,22 @@ def test_rope_rows_are_megatrons_table_at_the_logical_positions(model):
     # later pipeline stages get no position_ids: the layout's are used
     emb_from_layout = model.rotary_pos_emb_at(params, None)
     assert torch.equal(emb_from_layout, emb)
+
+
+YARN = ModelCard("qwen3-yarn", {**load_card("qwen3-tiny").config,
+                                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}})
+
+
+def test_yarn_rope_rows_are_megatrons_yarn_table_at_the_logical_positions():
+    model = build_model(YARN)
+    batch = make_batch().to(device_of(model))
+    params = DualKVPackedSeqParams.from_layout(batch.layout)
+    emb = model._preprocess(batch.tokens[None], batch.position_ids[None], packed_seq_params=params)[1]
+    table, attention_factor = model.rotary_pos_emb(model.max_sequence_length)
+    assert attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+    for t, p in enumerate(batch.position_ids.tolist()):
+        assert torch.equal(emb[t], table[p])
+    assert torch.equal(model.rotary_pos_emb_at(params, None), emb)
 
 
 def test_packed_logits_equal_each_sequence_run_alone(model):
@@ -103,3 +121,10 @@ def test_packed_step_reads_nothing_back_per_segment(recompute, monkeypatch):
         reads_of(warm_up)
     few, many = map(reads_of, shapes)
     assert few == many
+
+
+def test_yarn_over_part_of_the_head_is_refused():
+    family = FAMILIES[YARN.model_type]
+    config = build_transformer_config(YARN, family, ParallelSizes(), torch.float32, False, {})
+    with pytest.raises(ValueError, match="YaRN RoPE needs rotary_percent=1.0, got 0.5"):
+        DualKVGPTModel(config, dualkv_local_block_spec(config), **family.gpt_model_kwargs(YARN), rotary_percent=0.5)

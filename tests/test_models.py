@@ -1,5 +1,6 @@
 """Model cards (models/) and build_model (megatron_dualkv.models)."""
 import json
+import math
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_func
 
 from megatron_dualkv.mcore import DualKVAttention, dualkv_te_block_spec
 from megatron_dualkv.mcore.layer_specs import transformer_engine_available
-from megatron_dualkv.models import ModelCard, available_cards, build_model, load_card
+from megatron_dualkv.models import ModelCard, architecture_differences, available_cards, build_model, load_card
 from rollouts import config_of, model_kwargs_of, parameter_count
 
 NOT_ARCHITECTURE = {"name", "source", "model_type", "torch_dtype", "rope_theta", "rope_scaling"}
@@ -17,10 +18,10 @@ NOT_ARCHITECTURE = {"name", "source", "model_type", "torch_dtype", "rope_theta",
 
 
 def test_every_model_has_a_card():
-    assert {"qwen3-4b", "qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"} <= set(available_cards())
+    assert {"qwen3-4b", "qwen3-4b-131k", "qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"} <= set(available_cards())
 
 
-@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-4b-131k", "qwen3-8b", "qwen3-tiny", "qwen3-30b-a3b", "qwen3-moe-tiny"])
 def test_cards_are_hugging_face_configs(name):
     """Every architecture field is read back unchanged by transformers' own config class (so the
     names are the real ones), and the RoPE base survives transformers 5's rope_parameters."""
@@ -71,6 +72,60 @@ def test_qwen3_4b_architecture():
     assert round(count / 1e9, 2) == 4.02 and round((count - 151936 * 2560) / 1e9, 1) == 3.6
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+def test_qwen3_4b_131k_is_qwen3_4b_with_yarn():
+    assert architecture_differences("qwen3-4b-131k", "qwen3-4b") == {
+        "max_sequence_length": (131072, 40960),
+        "position_embedding_type": ("yarn", "rope"),
+        "yarn_rotary_scaling_factor": (4.0, None),
+        "yarn_original_max_position_embeddings": (32768, None),
+        "yarn_beta_fast": (32.0, None),
+        "yarn_beta_slow": (1.0, None),
+        "yarn_correction_range_round_to_int": (True, None),
+    }
+
+
+def test_qwen3_4b_131k_rope_equals_transformers():
+    """The real card's YaRN frequencies and attention factor (transformers' attention_scaling on
+    cos and sin) against transformers' own, on a model of its head size with few parameters."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
+
+    card = load_card("qwen3-4b-131k")
+    hf = Qwen3Config(**{k: v for k, v in card.config.items() if k not in ("name", "source", "model_type")})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    small = card_with("qwen3-4b-131k", vocab_size=256, hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=64, num_hidden_layers=1)
+    model = build_model(small)
+    table, _ = model.rotary_pos_emb(1024)
+    positions = torch.arange(1024, dtype=torch.float32)
+    torch.testing.assert_close(table[:, 0, 0].cpu(), torch.outer(positions, inv_freq).repeat(1, 2), rtol=1e-6, atol=0)
+    assert _yarn_get_concentration_factor_from_config(model.config) == pytest.approx(attention_factor, rel=1e-12)
+    assert attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+
+
+@pytest.mark.parametrize("base", ["qwen3-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
+def test_yarn_cards(base, field):
+    """Either name of the field (transformers 4, 5), dense and MoE; transformers' defaults for what
+    is left out, and its mscale / mscale_all_dim only as a pair."""
+    fields = dict(rope_scaling=YARN) if field == "rope_scaling" else dict(rope_scaling=None, rope_parameters={**YARN, "rope_theta": 1e6})
+    card = card_with(base, **fields)
+    c = config_of(card)
+    assert (c.yarn_rotary_scaling_factor, c.yarn_original_max_position_embeddings, c.yarn_beta_fast, c.yarn_beta_slow,
+            c.yarn_mscale, c.yarn_mscale_all_dim, c.yarn_correction_range_round_to_int) == (4.0, 32768, 32, 1, None, None, True)
+    kwargs = model_kwargs_of(card)
+    assert kwargs["position_embedding_type"] == "yarn" and kwargs["rotary_base"] == 1e6
+    tuned = card_with(base, rope_scaling={"type": "yarn", "factor": None, "original_max_position_embeddings": 128,
+                                          "beta_fast": 16, "mscale": 0.5, "mscale_all_dim": 0, "truncate": False})
+    c = config_of(tuned)
+    assert c.yarn_rotary_scaling_factor == tuned.config["max_position_embeddings"] / 128 and c.yarn_beta_fast == 16
+    assert c.yarn_mscale is None and c.yarn_mscale_all_dim is None and c.yarn_correction_range_round_to_int is False
+
+
 def test_qwen3_30b_a3b_architecture():
     c = config_of("qwen3-30b-a3b")
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels) == (48, 2048, 32, 4, 128)
@@ -116,7 +171,13 @@ def test_sliding_window_layers():
 @pytest.mark.parametrize(
     "fields, error, message",
     [
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), NotImplementedError, "RoPE scaling 'yarn'"),
+        *[(dict(rope_scaling={"rope_type": kind, "factor": 4.0}), NotImplementedError,
+            f"RoPE scaling '{kind}' is not supported; Qwen3 cards take plain RoPE or rope_type 'yarn'")
+          for kind in ("linear", "dynamic", "llama3", "longrope")],
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}), NotImplementedError,
+         "RoPE scaling 'linear'"),
+        (dict(rope_scaling={**YARN, "attention_factor": 1.2}), NotImplementedError,
+         r"YaRN parameters \['attention_factor'\] are not supported"),
         (dict(hidden_act="gelu"), ValueError, "SwiGLU"),
         (dict(hidden_size=None), ValueError, "lacks the required field 'hidden_size'"),
     ],

@@ -92,3 +92,8 @@ def test_bad_settings_name_what_is_wrong():
     uneven = ModelCard("uneven-gdn-heads", {**card.config, "linear_num_value_heads": 3})
     with pytest.raises(ValueError, match=r"linear_num_value_heads \(3\) must be a multiple of linear_num_key_heads \(2\)"):
         build_model(uneven)
+    yarn = ModelCard("yarn", {**card.config, "rope_parameters": {**card.config["rope_parameters"], "rope_type": "yarn",
+                                                                 "factor": 4.0, "original_max_position_embeddings": 8}})
+    for kwargs in (family.transformer_config_kwargs, family.gpt_model_kwargs):
+        with pytest.raises(NotImplementedError, match="YaRN RoPE is supported for qwen3 and qwen3_moe cards, not for qwen3_5_text"):
+            kwargs(yarn)

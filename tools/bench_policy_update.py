@@ -5,7 +5,7 @@ replicated layout with PyTorch SDPA (cuDNN backend).
     python tools/bench_policy_update.py --device cpu --tiny    # dry run of the same code: tiny cards, small groups
     python tools/bench_policy_update.py --models moe --update bench/policy_update_h200.csv   # re-measure one model
     python tools/bench_policy_update.py --full-depth --agent --models qwen3-4b --out bench/   # prefix trees (#31)
-    python tools/bench_policy_update.py --full-depth --models qwen3-4b --workloads 16x65536x2048 --layouts packed,reuse \\
+    python tools/bench_policy_update.py --full-depth --models qwen3-4b-131k --layouts packed,reuse \\
         --transformer-engine off --out bench/                                                  # prefix reuse (#41)
     python tools/bench_policy_update.py --device cpu --tiny --full-depth --models qwen3-tiny --workloads 4x96x24 \\
         --layouts packed,reuse,replicated --budget-gib 0.0033    # dry run: the whole group fits only recomputed
@@ -36,8 +36,9 @@ P + k R (the launch script's ``--max-tokens`` with ``--prefix-reuse on``); its u
 whole group's once. The speedup column: a ``packed`` row's is the replicated row's step time over
 its own, a ``reuse`` row's the ``packed`` row's over its own (prefix reuse against the sub-group
 split). Prefix reuse runs on the local layer spec: pass ``--transformer-engine off`` with a GPU
-that has Transformer Engine. Time and memory on one H200 (the memory and cost models, 8% margin):
-at 16 x 65,536 x 2,048 the whole group fits with selective recompute and 33 layers recomputed whole,
+that has Transformer Engine. #41's prompts need the ``qwen3-4b-131k`` card (Qwen3-4B with YaRN:
+qwen3-4b stops at 40,960 positions; 131,072 + 4,096 passes even YaRN's 131,072). Time and memory
+on one H200 (the memory and cost models, 8% margin): at 16 x 65,536 x 2,048 the whole group fits with selective recompute and 33 layers recomputed whole,
 prefix reuse ranks parts of 2 responses (32 layers) first, 1.3e16 FLOPs a step each (tens of
 seconds); the replicated layout 1.1e17 (minutes). At 16 x 131,072 x 4,096 no prefix-reuse setting
 fits (the held prompt's K/V copies and their gradients, 36 GiB under full recompute, beside the
@@ -86,7 +87,9 @@ TINY_WORKLOADS = [(4, 96, 24), (8, 96, 12)]
 FULL_DEPTH = {
     "qwen3-4b": [(16, 8192, 1024), (32, 8192, 512), (8, 32768, 1024)],
     "gemma3-4b": [(16, 8192, 1024), (32, 8192, 512)],
-    "qwen3_5-4b": [(16, 8192, 1024)],  # Gated DeltaNet layers: needs the memory model to count them
+    "qwen3_5-4b": [(16, 8192, 1024)],
+    # Qwen3-4B with YaRN to 131,072 positions: #41's long prompts, whose positions pass qwen3-4b's 40,960
+    "qwen3-4b-131k": [(16, 65536, 2048)],
 }
 LAYOUTS = ("packed", "reuse", "replicated")
 # The step's forward-pass equivalents: forward and backward of its one update (no behaviour pass).

@@ -3,6 +3,7 @@ the config class of every model family (``ModelFamily.config_class``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -10,7 +11,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 @dataclass
 class DualKVTransformerConfig(TransformerConfig):
     """``TransformerConfig`` with our selective activation recompute (``mcore.recompute``; set all
-    three through ``build_model(recompute="selective")``). They act in the layers of our local and
+    three through ``build_model(recompute="selective")``) and the YaRN RoPE parameters Megatron's
+    ``GPTModel`` expects of its config. The recompute fields act in the layers of our local and
     Gemma specs that Megatron does not recompute whole (``recompute_granularity="full"``), in
     training under autograd, and are independent of Megatron's ``recompute_modules``."""
 
@@ -33,3 +35,28 @@ class DualKVTransformerConfig(TransformerConfig):
     not its shared experts') once ``linear_fc2`` has saved it, and recompute it in the backward: per
     token and layer, ffn_hidden_size values fewer kept (per token routed to an expert,
     moe_ffn_hidden_size, plus the unfused SwiGLU's intermediates)."""
+
+    # YaRN RoPE (position_embedding_type="yarn"): Megatron's GPTModel reads these fields by name
+    # without defaults, and its attention applies the attention factor ("mscale") they give to cos
+    # and sin. The defaults give a factor of 1, which leaves plain RoPE unchanged.
+    yarn_rotary_scaling_factor: float = 1.0
+    """How many times the original context the positions are stretched over (YaRN's s)."""
+
+    yarn_original_max_position_embeddings: int = 4096
+    """The context the model was pretrained with; which frequencies are interpolated depends on it."""
+
+    yarn_beta_fast: float = 32.0
+    """Dimensions turning more than this many times over the original context keep their frequency."""
+
+    yarn_beta_slow: float = 1.0
+    """Dimensions turning fewer times than this are interpolated by the whole factor; between the
+    two betas the frequency ramps linearly."""
+
+    yarn_mscale: Optional[float] = None
+    """With ``yarn_mscale_all_dim``: attention factor ``(0.1 mscale ln s + 1) / (0.1 mscale_all_dim
+    ln s + 1)``; None (either one): ``0.1 ln s + 1``."""
+
+    yarn_mscale_all_dim: Optional[float] = None
+
+    yarn_correction_range_round_to_int: bool = True
+    """Round the ramp's dimension bounds outward to integers (transformers' ``truncate``)."""

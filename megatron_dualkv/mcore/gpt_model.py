@@ -7,7 +7,9 @@ instead of continuing at its prompt length P (and a prefix tree's segment at the
 path from the root). The same function has an exact-mapping mode: when
 the frequency tensor has exactly ``cu_seqlens[-1]`` rows, token ``i`` gets row ``i``. This model
 hands it one row per packed token, gathered at the token's logical position from Megatron's own
-frequency table, so packed and replicated layouts see bit-identical rotations.
+frequency table, so packed and replicated layouts see bit-identical rotations. The same holds for
+YaRN RoPE (``position_embedding_type="yarn"``): its table is Megatron's ``YarnRotaryEmbedding``'s,
+and the attention applies the YaRN attention factor to cos and sin wherever the rows come from.
 
 Context parallelism (``mcore.context_parallel``): the model's context-parallel group is the
 Ulysses group of its DualKV attention. ``forward`` hands Megatron's ``GPTModel`` this rank's slice
@@ -40,6 +42,10 @@ from .packed_seq_params import DualKVPackedSeqParams
 from .parallel import single_rank_group
 
 
+# the position embeddings whose table this model gathers at the packed logical positions
+ROTARY = ("rope", "yarn")
+
+
 class DualKVGPTModel(GPTModel):
     """``GPTModel`` for DualKV packed micro-batches (``packed_seq_params=DualKVPackedSeqParams``).
 
@@ -68,12 +74,17 @@ class DualKVGPTModel(GPTModel):
         # set by forward for the duration of one call: GPTModel.forward hands _postprocess fixed arguments
         self._skip_output_layer = False
         self.unpadded_vocab_size = unpadded_vocab_size
-        if self.position_embedding_type in ("yarn", "mrope"):
-            raise ValueError(f"DualKVGPTModel supports rope, learned_absolute or no position embedding, got {self.position_embedding_type!r}")
-        if self.position_embedding_type == "rope" and config.apply_rope_fusion:
+        if self.position_embedding_type == "mrope":
+            raise ValueError("DualKVGPTModel supports rope, yarn, learned_absolute or no position embedding, got 'mrope'")
+        if self.position_embedding_type in ROTARY and config.apply_rope_fusion:
             raise ValueError(
                 "DualKVGPTModel needs apply_rope_fusion=False: the fused thd RoPE restarts positions in "
                 "every packed segment, while responses continue at their prompt length"
+            )
+        if self.position_embedding_type == "yarn" and self.rotary_percent != 1.0:
+            raise ValueError(
+                f"YaRN RoPE needs rotary_percent=1.0, got {self.rotary_percent}: Megatron's YarnRotaryEmbedding "
+                "computes its frequencies over the whole head"
             )
 
     def forward(
@@ -141,7 +152,7 @@ class DualKVGPTModel(GPTModel):
             # GPTModel scatters the padding mask to the sequence-parallel split only on the stage
             # that embeds; later pipeline stages (MoE routing) need it split the same way.
             padding_mask = tensor_parallel.scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1)).transpose(0, 1)
-        if not dualkv or self.position_embedding_type != "rope":
+        if not dualkv or self.position_embedding_type not in ROTARY:
             return super()._preprocess(
                 input_ids, position_ids, decoder_input, inference_context, packed_seq_params, padding_mask
             )
@@ -162,6 +173,8 @@ class DualKVGPTModel(GPTModel):
         """
         positions, rows = self._rope_positions(packed_seq_params, position_ids)
         table = self.rotary_pos_emb(rows, packed_seq=True)
+        if self.position_embedding_type == "yarn":
+            table, _ = table  # its attention factor: the attention reads it from the config
         return table[positions.to(table.device)]
 
     def _rope_positions(self, packed_seq_params: DualKVPackedSeqParams, position_ids: Optional[Tensor]):

@@ -6,6 +6,12 @@ MoE variant replaces the MLP by a softmax-routed top-k mixture of SwiGLU experts
 expert. ``norm_topk_prob`` renormalises the top-k softmax probabilities, which is Megatron's
 top-k-then-softmax (``moe_router_pre_softmax=False``): ``softmax(l)_i / sum_topk softmax(l)_j =
 exp(l_i) / sum_topk exp(l_j)``.
+
+RoPE is plain, or YaRN (Peng et al. 2023) where the card's ``rope_scaling`` / ``rope_parameters``
+say ``"rope_type": "yarn"`` (Qwen3's published way past 32,768 tokens): Megatron-Core's
+``YarnRotaryEmbedding`` (``position_embedding_type="yarn"``) with the parameters transformers'
+``_compute_yarn_parameters`` reads, its attention factor ("mscale") applied to cos and sin by
+``apply_rotary_pos_emb`` as transformers does. Other RoPE scalings are refused.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ def qwen3_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
         hidden_dropout=0.0,
         attention_dropout=card_field(card, "attention_dropout", 0.0),
         init_method_std=card_field(card, "initializer_range", 0.02),
+        **_yarn_config_kwargs(card),
     )
     window, sliding_layers = _sliding_window(card, num_layers)
     if window is not None:
@@ -81,23 +88,64 @@ def qwen3_moe_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
 
 
 def qwen3_gpt_model_kwargs(card: ModelCard) -> Dict[str, Any]:
+    parameters = rope_parameters(card)
     return dict(
         vocab_size=card_field(card, "vocab_size"),
         max_sequence_length=card_field(card, "max_position_embeddings"),
-        position_embedding_type="rope",
-        rotary_base=_rope_theta(card),
+        position_embedding_type="yarn" if parameters["rope_type"] == "yarn" else "rope",
+        rotary_base=float(parameters["rope_theta"]),
         share_embeddings_and_output_weights=card_field(card, "tie_word_embeddings", False),
     )
 
 
-def _rope_theta(card: ModelCard) -> float:
-    """Plain RoPE base, from ``rope_theta`` (transformers 4) or ``rope_parameters`` (transformers 5)."""
-    parameters = card_field(card, "rope_parameters", None) or {}
-    scaling = card_field(card, "rope_scaling", None)
-    rope_type = (scaling or {}).get("rope_type", parameters.get("rope_type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"model card {card.name!r}: RoPE scaling {rope_type!r} is not supported yet")
-    return float(parameters.get("rope_theta", card_field(card, "rope_theta", 10000.0)))
+_YARN_FIELDS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                "beta_slow", "mscale", "mscale_all_dim", "truncate"}
+
+
+def rope_parameters(card: ModelCard) -> Dict[str, Any]:
+    """The card's RoPE parameters as transformers 5's ``convert_rope_params_to_dict`` reads them:
+    ``rope_scaling`` (transformers 4's name) wins over ``rope_parameters``; ``rope_type`` defaults
+    to the older ``type``, ``rope_theta`` to the top-level field. NotImplementedError for a
+    rope_type other than plain RoPE ("default") and YaRN."""
+    parameters = dict(card_field(card, "rope_scaling", None) or card_field(card, "rope_parameters", None) or {})
+    parameters.setdefault("rope_type", parameters.get("type", "default"))
+    parameters.setdefault("rope_theta", card_field(card, "rope_theta", 10000.0))
+    if parameters["rope_type"] not in ("default", "yarn"):
+        raise NotImplementedError(
+            f"model card {card.name!r}: RoPE scaling {parameters['rope_type']!r} is not supported; "
+            "Qwen3 cards take plain RoPE or rope_type 'yarn'"
+        )
+    return parameters
+
+
+def _yarn_config_kwargs(card: ModelCard) -> Dict[str, Any]:
+    """``DualKVTransformerConfig``'s yarn_* fields for a YaRN card (Megatron's ``GPTModel`` and
+    attention read them), with transformers' defaults and precedence; {} for plain RoPE."""
+    parameters = rope_parameters(card)
+    if parameters["rope_type"] != "yarn":
+        return {}
+    unsupported = sorted(set(parameters) - _YARN_FIELDS)
+    if unsupported:
+        # attention_factor: Megatron derives the factor from factor, mscale and mscale_all_dim only
+        raise NotImplementedError(f"model card {card.name!r}: YaRN parameters {unsupported} are not supported")
+    max_positions = card_field(card, "max_position_embeddings")
+    # a top-level original_max_position_embeddings wins, as transformers' standardize_rope_params has it
+    original = (card_field(card, "original_max_position_embeddings", None)
+                or parameters.get("original_max_position_embeddings") or max_positions)
+    factor = parameters.get("factor") or max_positions / original
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        # transformers then uses 0.1 ln(factor) + 1, which Megatron computes from None, None
+        mscale = mscale_all_dim = None
+    return dict(
+        yarn_rotary_scaling_factor=float(factor),
+        yarn_original_max_position_embeddings=int(original),
+        yarn_beta_fast=float(parameters.get("beta_fast") or 32),
+        yarn_beta_slow=float(parameters.get("beta_slow") or 1),
+        yarn_mscale=mscale,
+        yarn_mscale_all_dim=mscale_all_dim,
+        yarn_correction_range_round_to_int=bool(parameters.get("truncate", True)),
+    )
 
 
 def _sliding_window(card: ModelCard, num_layers: int) -> Tuple[Optional[int], List[int]]:

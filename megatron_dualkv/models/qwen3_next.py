@@ -37,14 +37,17 @@ from .qwen3 import (
     qwen3_gpt_model_kwargs,
     qwen3_moe_transformer_config_kwargs,
     qwen3_transformer_config_kwargs,
+    rope_parameters,
 )
 
 
 def qwen3_5_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
+    _refuse_yarn(card)
     return _with_hybrid_layers(card, qwen3_transformer_config_kwargs(card))
 
 
 def qwen3_next_transformer_config_kwargs(card: ModelCard) -> Dict[str, Any]:
+    _refuse_yarn(card)
     kwargs = _with_hybrid_layers(card, qwen3_moe_transformer_config_kwargs(card))
     shared = card_field(card, "shared_expert_intermediate_size", 0)
     if shared:  # behind a sigmoid gate, as Megatron's moe_shared_expert_gate
@@ -79,7 +82,15 @@ def _interval_layer_types(card: ModelCard, num_layers: int) -> List[str]:
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
 
 
+def _refuse_yarn(card: ModelCard) -> None:
+    """Megatron's YarnRotaryEmbedding spans the whole head; these models rotate a part of it."""
+    if rope_parameters(card)["rope_type"] == "yarn":
+        raise NotImplementedError(f"model card {card.name!r}: YaRN RoPE is supported for qwen3 and qwen3_moe cards, "
+                                  f"not for {card.model_type} (partial RoPE)")
+
+
 def qwen3_5_gpt_model_kwargs(card: ModelCard) -> Dict[str, Any]:
+    _refuse_yarn(card)
     parameters = card_field(card, "rope_parameters", None) or {}
     rotary_percent = parameters.get("partial_rotary_factor", card_field(card, "partial_rotary_factor", 1.0))
     return dict(qwen3_gpt_model_kwargs(card), rotary_percent=float(rotary_percent))
