@@ -67,12 +67,12 @@ def test_the_cost_model_counts_a_gdn_layer_per_token(model):
     assert cost.pair_flops == kinds.count("full_attention") * 4 * config.num_attention_heads * config.kv_channels
 
 
-@pytest.mark.parametrize("rollouts", ["rollouts.jsonl", "agent_episodes.jsonl"])
-def test_the_launch_script_trains_the_tiny_card(rollouts):
-    """Rollout groups, and agent episodes (prefix trees: every GDN segment from its parent's state)."""
+def test_the_launch_script_trains_the_tiny_card():
+    """On agent episodes: prefix trees, every GDN segment from its parent's state (rollout groups
+    run in-process in test_memory's test_the_launch_script_fits_a_gated_delta_net_model)."""
     result = subprocess.run([sys.executable, str(SCRIPT), "--model", CARD, "--steps", "1", "--rollouts",
-                             str(ROOT / "examples" / "data" / rollouts)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+                             str(ROOT / "examples" / "data" / "agent_episodes.jsonl")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"model {CARD}" in result.stdout and "| spec local |" in result.stdout and "step    1/1" in result.stdout
 
