@@ -313,3 +313,27 @@ def test_fla_where_it_miscompiles_says_what_to_install(monkeypatch):
     with pytest.raises(ValueError, match=r"refuses compute capability \(9, 0\) \(Hopper\) with Triton 3.6.0, .* "
                                          r"install Triton >= 3.7.1 or tilelang, or use backend='torch'"):
         gdr._backend(_on_cuda(torch.bfloat16), "fla")
+
+
+def test_the_torch_backend_keeps_only_its_inputs():
+    """Under grad, the chunked PyTorch rule keeps what fla's kernel keeps, its inputs (so the memory
+    model's count of a GDN layer holds for both backends); its chunk intermediates, several times
+    larger, are recomputed in the backward, which still gives the reference's gradients."""
+    layout = DualKVLayout((40,), ((33, 17, 25),))
+    inputs = _inputs(layout.total_tokens, heads=2, dk=8, dv=8, seed=3)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got, _ = run_by_level(torch_chunk_varlen(8**-0.5, False, chunk_size=8), *inputs, layout)
+    input_bytes = sum(t.untyped_storage().nbytes() for t in inputs)
+    # the inputs, the levels' final states and index tensors: not the (chunks, C, C) matrices
+    assert sum(saved.values()) < 1.5 * input_bytes, (sum(saved.values()), input_bytes)
+    want, _ = gated_delta_rule_reference(*inputs, layout)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, inputs, dout), torch.autograd.grad(want, inputs, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

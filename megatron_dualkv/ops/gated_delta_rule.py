@@ -44,6 +44,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from packaging.version import Version
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..layout import PackedLayout
 from .checks import check_layout
@@ -162,11 +163,16 @@ def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> V
     Every sequence is padded to the longest one's whole number of chunks, so the N sequences run as
     one (N, HV, chunks, C, D) batch and only the state recurrence loops, over the chunk index. Padding
     is inert: g = 0 keeps the decay, beta = 0 and k = 0 add nothing to the state.
+
+    Its intermediates (float32 copies of q and k per value head, each chunk's C x C matrices, the
+    state after every chunk) would be several times what fla keeps per token, so they are not kept:
+    the call runs under activation checkpointing and its backward recomputes them. Like fla's
+    kernel, it keeps its inputs, so the memory model's count of a GDN layer holds for both.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
 
-    def run(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial):
+    def chunked_rule(q, k, v, g, beta, cu_seqlens_cpu, initial):
         dtype = torch.promote_types(q.dtype, torch.float32)
         q, k = q.to(dtype), k.to(dtype)
         if qk_l2norm:
@@ -179,6 +185,11 @@ def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> V
             initial = q.new_zeros(padding.sequences, v.shape[1], q.shape[2], v.shape[2])
         out, final = _chunk_recurrence(*chunked, initial.to(dtype))
         return padding.unchunked(out).to(v.dtype), final
+
+    def run(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial):
+        if not torch.is_grad_enabled():
+            return chunked_rule(q, k, v, g, beta, cu_seqlens_cpu, initial)
+        return checkpoint(chunked_rule, q, k, v, g, beta, cu_seqlens_cpu, initial, use_reentrant=False)
 
     return run
 
