@@ -8,10 +8,10 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_dualkv import Trajectory, pack_groups, pack_trajectories, plan_micro_batches
+from megatron_dualkv import Trajectory, held_path_len, pack_groups, pack_trajectories, plan_micro_batches
 from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import (DAPOLoss, GRPOLoss, PrefixReuseBatch, ResponseTokens, RLMicroBatch, forward_backward,
-                                forward_logprobs, held_path_len, pack_prefix_reuse, pack_prefix_reuse_trajectories)
+                                forward_logprobs, pack_prefix_reuse, pack_prefix_reuse_trajectories)
 from rollouts import make_groups, perturbed
 from strategies import trajectory_sets
 
@@ -157,8 +157,6 @@ def test_plan_runs_a_long_group_with_prefix_reuse():
         responses = sorted(i for rank in plan.ranks for mb in rank if mb.shared_prompt is not None
                            for i in mb.source_responses[0])
         assert responses == list(range(len(PLAN_SHAPES[1][1])))
-    with pytest.raises(ValueError, match="prefix_reuse plans rollout groups"):
-        plan_micro_batches([Trajectory([1, 2, 3], [0, 1, 1])], 8, prefix_reuse=True)
 
 
 def test_planned_prefix_reuse_step_equals_the_sub_group_step(model):
@@ -268,7 +266,7 @@ def test_prefix_reuse_of_a_split_tree_equals_one_micro_batch(recompute):
 @st.composite
 def split_trees(draw):
     """(a tree's trajectories, each training its last token, with a held path; parts of them)."""
-    trajectories = draw(trajectory_sets(grouped=False, max_segment=4, max_segments=8, vocab=7))
+    trajectories = draw(trajectory_sets(grouped=False, max_segment=4, max_segments=6, vocab=7))
     first = trajectories[0].tokens[0]
     tree = [t for t in trajectories if t.tokens[0] == first and len(t.tokens) > 1]
     assume(tree)
@@ -280,7 +278,7 @@ def split_trees(draw):
 
 
 @given(split_trees(), st.sampled_from([1, 8]))
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 def test_prefix_reuse_of_drawn_trees_equals_one_micro_batch(model, tree_and_parts, pad):
     assert_equal_tree_steps(model, *tree_and_parts, pad=pad)
 
@@ -296,3 +294,55 @@ def test_trees_without_a_held_path_are_named():
     assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), Trajectory([1, 2, 3, 4, 6])]) == 1
     assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), Trajectory([1, 2, 3, 4], [0, 0, 0, 1])]) == 3
     assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 0, 1]), Trajectory([1, 2, 3], [0, 0, 1])]) == 2
+
+
+def planned_tree_trajectories():
+    """Two trees of one group (the second small) and a tree of another group."""
+    tree = make_tree()
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    small = [Trajectory([tree[0].tokens[0] + 1] + ids(4), None, 0.5, "tree"),
+             Trajectory([tree[0].tokens[0] + 1] + ids(2), None, 1.0, "tree")]
+    other = [Trajectory(ids(9), [0] * 4 + [1] * 5, 0.0, "other"), Trajectory(ids(3), None, 1.0, "other")]
+    return tree[:3] + small + tree[3:] + other
+
+
+def test_plan_runs_a_split_tree_with_prefix_reuse():
+    trajectories = planned_tree_trajectories()
+    for dp_size in (1, 2):
+        plan = plan_micro_batches(trajectories, 20, dp_size, prefix_reuse=True)
+        carried = plan_micro_batches(trajectories, 20, dp_size)
+        assert plan.packed_tokens < carried.packed_tokens if dp_size == 1 else plan.packed_tokens <= carried.packed_tokens
+        for rank in plan.ranks:
+            shared = [mb for mb in rank if mb.shared_prompt is not None]
+            assert len({id(mb.shared_prompt) for mb in shared}) <= 1
+            first = next((i for i, mb in enumerate(rank) if mb.shared_prompt is not None), 0)
+            assert [mb.part for mb in rank[first : first + len(shared)]] == list(range(len(shared)))
+            assert all(len(mb.shared_prompt.tokens) == 6 and mb.shared_prompt.num_parts == len(shared) for mb in shared)
+            assert all(mb.num_tokens <= 20 for mb in rank)
+        assert sorted(i for rank in plan.ranks for mb in rank if mb.shared_prompt is not None
+                      for i in mb.source_responses[0]) == [0, 1, 2, 5, 6, 7]
+    # no path to hold (a trajectory of the tree's first token alone): parts carry their paths
+    pathless = trajectories + [Trajectory(trajectories[0].tokens[:1], None, 0.0, "tree")]
+    plan = plan_micro_batches(pathless, 20, prefix_reuse=True)
+    assert all(mb.shared_prompt is None for rank in plan.ranks for mb in rank)
+    assert plan.packed_tokens == plan_micro_batches(pathless, 20).packed_tokens
+
+
+def test_planned_tree_step_equals_the_one_micro_batch_step(model):
+    """A plan whose split tree runs with prefix reuse: the one-micro-batch step's losses and gradients."""
+    trajectories = planned_tree_trajectories()
+    batch = pack_trajectories(trajectories)
+    advantages = GRPOLoss().advantages(ResponseTokens.of(batch).group_rewards(batch))
+    results = []
+    for max_tokens in (None, 20):
+        plan = plan_micro_batches(trajectories, max_tokens or batch.num_tokens, prefix_reuse=True)
+        loss_fn = GRPOLoss(normalizer=plan.loss_normalizer("sequence-mean"))
+        micro_batches = [RLMicroBatch(mb.pack(8), advantages=mb.select_responses(advantages), on_policy=True)
+                         for mb in plan.ranks[0]]
+        outputs, grads = step(model, micro_batches, loss_fn)
+        results.append((sum(out.loss for out in outputs) / len(outputs), grads))
+    assert sum(isinstance(mb.batch, PrefixReuseBatch) for mb in micro_batches) > 1
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
+    for name, grad in results[1][1].items():
+        torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)

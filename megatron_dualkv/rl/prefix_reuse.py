@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..layout import DualKVLayout, PrefixedLayout
 from ..packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
-from ..trajectories import (Trajectory, TrajectoryBatch, _common_prefix, _loss_mask, _trajectory_tokens,
+from ..trajectories import (Trajectory, TrajectoryBatch, _loss_mask, _trajectory_tokens, held_path_len,
                            pack_trajectories)
 
 
@@ -209,22 +209,6 @@ def pack_prefix_reuse_trajectories(trajectories: Sequence[Trajectory], parts: Se
     prompt = SharedPrompt(torch.from_numpy(seqs[0][:held]), len(parts))
     return [prefix_reuse_part(prompt, index, [trajectories[i] for i in part], pad_to_multiple_of, pad_token_id)
             for index, part in enumerate(parts)]
-
-
-def held_path_len(trajectories: Sequence[Trajectory]) -> int:
-    """The length L of the path the trajectories of one tree hold with prefix reuse (0: none): their
-    longest common prefix, cut at the first position any of them trains (the token at position L
-    is predicted from the path's held last hidden state, so it may be trained; one inside the path
-    could not be, as the path's forward computes no log-probs) and so that each keeps a token after it."""
-    seqs = [_trajectory_tokens(t, i) for i, t in enumerate(trajectories)]
-    held = min(len(seq) for seq in seqs) - 1
-    for seq in seqs[1:]:
-        held = min(held, _common_prefix(seqs[0][:held], seq[:held]))
-    for i, (t, seq) in enumerate(zip(trajectories, seqs)):
-        trained = torch.nonzero(_loss_mask(t, i, len(seq))[1 : held + 1])
-        if len(trained):
-            held = int(trained[0]) + 1
-    return held
 
 
 def _check_parts(caller: str, parts: Sequence[Sequence[int]], count: int, what: str) -> None:
