@@ -634,7 +634,8 @@ def _plan_trajectories(trajectories: List[Trajectory], max_tokens: int, dp_size:
         items += [replace(item(part), reuse=held > 0) for part in _split_tree(forest, tree, max_tokens)]
     items = _split_until_every_rank_has_work(
         items, dp_size,
-        lambda it: [replace(item(part), reuse=it.reuse) for part in _split_tree(forest, members(it), max_tokens, parts=2)])
+        lambda it: [replace(item(part), reuse=it.reuse)
+                    for part in _split_tree(forest, members(it), max_tokens, parts=2)])
     bins_per_rank = [_parts_in_order(bins) for bins in _pack_ranks(_assign_to_ranks(items, dp_size), max_tokens)]
     offsets = list(accumulate((len(m) for m in members_of), initial=0))
     ranks = tuple(_with_shared_prompts([_trajectory_micro_batch(trajectories, forest, members_of, offsets, b)

@@ -311,8 +311,9 @@ def test_plan_runs_a_split_tree_with_prefix_reuse():
     trajectories = planned_tree_trajectories()
     for dp_size in (1, 2):
         plan = plan_micro_batches(trajectories, 20, dp_size, prefix_reuse=True)
-        carried = plan_micro_batches(trajectories, 20, dp_size)
-        assert plan.packed_tokens < carried.packed_tokens if dp_size == 1 else plan.packed_tokens <= carried.packed_tokens
+        carried = plan_micro_batches(trajectories, 20, dp_size).packed_tokens
+        # parts spread over ranks each compute the held path there
+        assert plan.packed_tokens < carried if dp_size == 1 else plan.packed_tokens <= carried
         for rank in plan.ranks:
             shared = [mb for mb in rank if mb.shared_prompt is not None]
             assert len({id(mb.shared_prompt) for mb in shared}) <= 1

@@ -4,7 +4,8 @@
 ``SharedPrompt``; ``pack_prefix_reuse_trajectories(trajectories, parts)`` does the same for the
 trajectories of one prefix tree, whose held "prompt" is the path they all share up to their first
 trained token (``held_path_len``) and whose parts are each the rest of the tree that their
-trajectories reach (``PrefixedLayout`` with ``segment_parents``). In a step (``forward_backward``, Megatron's schedule, micro-batches in order):
+trajectories reach (``PrefixedLayout`` with ``segment_parents``). In a step (``forward_backward``,
+Megatron's schedule, micro-batches in order):
 
 1. the first part's forward runs the prompt alone (positions 0..P-1) and holds, per layer, its
    K/V exactly as DualKV attention consumes them (after the q/k norm and RoPE), and the final
@@ -26,7 +27,8 @@ deferred gradient sync happens after it (its ``no_sync`` covers the earlier part
 recompute of the prompt's layers, which reruns ``_HeldKV`` in that backward, works unchanged.
 
 Losses: a part is a micro-batch of the plan like a sub-group (``planner``), or like a part of a
-tree that carries its path: its advantages come from the whole group (``RLMicroBatch.advantages``), its loss divides by the plan's ``loss_normalizer``.
+tree that carries its path: its advantages come from the whole group (``RLMicroBatch.advantages``),
+its loss divides by the plan's ``loss_normalizer``.
 
 Not supported yet (a ValueError names the combination): pipeline and context parallelism, the
 replicated layout, DDP's overlapped gradient reduce, and core attention
