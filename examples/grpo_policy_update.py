@@ -120,8 +120,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             "(packed: the whole largest group when --recompute is auto too, with the least recompute "
                             "that holds it)")
     group.add_argument("--prefix-reuse", choices=["auto", "on", "off"], default="auto",
-                       help="a group over --max-tokens runs its prompt once for all its micro-batches (on), or in "
-                            "sub-groups that each carry it (off); auto: on where the run supports it")
+                       help="a group over --max-tokens runs its prompt (a tree of trajectories the path they "
+                            "share) once for all its micro-batches (on), or in sub-groups (parts) that each carry "
+                            "it (off); auto: on where the run supports it")
     group = parser.add_argument_group("policy loss and updates")
     group.add_argument("--loss", choices=("dapo", "grpo"), default="grpo")
     group.add_argument("--mini-batches", type=int, default=1,
@@ -684,7 +685,7 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
 
     rollout_logprobs: the inference engine's, per group, per response: the behaviour log-probs
     (no forward pass) unless ``loss_fn.tis_cap`` is set, then beside them for its correction.
-    prefix_reuse: groups over ``max_tokens`` run their prompt once (--prefix-reuse).
+    prefix_reuse: groups (trees) over ``max_tokens`` run their prompt (shared path) once (--prefix-reuse).
     """
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     # Group-normalised advantages of whole groups: a group split over micro-batches or ranks
