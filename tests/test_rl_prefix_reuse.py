@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_dualkv import Trajectory, held_path_len, pack_groups, pack_trajectories, plan_micro_batches
 from megatron_dualkv.models import build_model
+from megatron_dualkv.rl.prefix_reuse import prefix_reuse_part
 from megatron_dualkv.rl import (DAPOLoss, GRPOLoss, PrefixReuseBatch, ResponseTokens, RLMicroBatch, forward_backward,
                                 forward_logprobs, pack_prefix_reuse, pack_prefix_reuse_trajectories)
 from rollouts import make_groups, perturbed
@@ -290,6 +291,13 @@ def test_trees_without_a_held_path_are_named():
         pack_prefix_reuse_trajectories([Trajectory([1, 2, 3]), Trajectory([2, 2])], [[0, 1]])
     with pytest.raises(ValueError, match=r"parts \[\[0\]\] must split the trajectories \(2\)"):
         pack_prefix_reuse_trajectories([Trajectory([1, 2, 3]), Trajectory([1, 2])], [[0]])
+    tree = make_tree()
+    shared = pack_prefix_reuse_trajectories(tree, [[0, 1, 2, 3, 4, 5]])[0].prompt
+    first = tree[0]
+    for bad in (replace(first, tokens=first.tokens[:6], loss_mask=None), replace(first, loss_mask=[0, 0, 1] + first.loss_mask[3:]),
+                replace(first, tokens=[first.tokens[0] + 1] + first.tokens[1:])):
+        with pytest.raises(ValueError, match="trajectory 1 of part 2 does not start with the held path of 6 tokens"):
+            prefix_reuse_part(shared, 2, [tree[1], bad])
     # the path ends where a trajectory first trains a token, and before every trajectory's last token
     assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), Trajectory([1, 2, 3, 4, 6])]) == 1
     assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), Trajectory([1, 2, 3, 4], [0, 0, 0, 1])]) == 3

@@ -247,6 +247,12 @@ def _tree_part(prompt: SharedPrompt, index: int, trajectories: List[Trajectory],
     held = len(prompt.tokens)
     seqs = [_trajectory_tokens(t, i) for i, t in enumerate(trajectories)]
     masks = [_loss_mask(t, i, len(seq)) for i, (t, seq) in enumerate(zip(trajectories, seqs))]
+    for i, (seq, mask) in enumerate(zip(seqs, masks)):
+        # a token trained inside the path would silently leave the loss: its forward computes no log-probs
+        if len(seq) <= held or not torch.equal(torch.from_numpy(seq[:held]), prompt.tokens) or mask[1:held].any():
+            raise ValueError(f"prefix reuse: trajectory {i} of part {index} does not start with the held path of "
+                             f"{held} tokens, train none of them (but the first) and go on after it "
+                             "(held_path_len gives such a path)")
     rest = pack_trajectories([replace(t, tokens=seq[held:], loss_mask=None) for t, seq in zip(trajectories, seqs)],
                              pad_to_multiple_of, pad_token_id)
     stub = pack_trajectories([replace(t, tokens=seq[held - 1 :], loss_mask=torch.cat([mask.new_zeros(1), mask[held:]]))
