@@ -53,7 +53,10 @@ cost model is the same: tokens + attention_weight x attention pairs, where a tok
 position p adds p + 1 pairs wherever it is packed. A micro-batch's tokens are those of the union
 of its trajectories' paths (two parts of a tree in one micro-batch share their head again).
 Trajectories are numbered as in ``pack_trajectories``: group by group (``trajectory_groups``),
-trajectory by trajectory, in that flat order ``response_index`` counts them.
+trajectory by trajectory, in that flat order ``response_index`` counts them. With prefix reuse
+(``prefix_reuse=True``) a split group's parts, and a split tree's where its trajectories share a
+path to hold (``held_path_len``), are micro-batches of their own that run against the prompt
+(path) computed once per rank (``rl.prefix_reuse``), instead of carrying it.
 
 Normalisation: Megatron's schedule divides each micro-batch loss by ``M`` and DDP averages
 gradients over DP ranks, so a loss that divides by its micro-batch's own count is not the loss of
