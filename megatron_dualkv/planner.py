@@ -165,7 +165,7 @@ class _Item:
     responses: Tuple[int, ...]
     tokens: int
     cost: float
-    reuse: bool = False  # a part of a group (tree) whose prompt (held path) runs once for all its parts (prefix reuse)
+    reuse: bool = False  # a part of a group (tree) whose prompt (held path) runs once for all its parts
     tree: int = 0  # for trajectories, the root segment of their tree: with ``group``, which tree a part shares
 
 

@@ -294,8 +294,9 @@ def test_trees_without_a_held_path_are_named():
     tree = make_tree()
     shared = pack_prefix_reuse_trajectories(tree, [[0, 1, 2, 3, 4, 5]])[0].prompt
     first = tree[0]
-    for bad in (replace(first, tokens=first.tokens[:6], loss_mask=None), replace(first, loss_mask=[0, 0, 1] + first.loss_mask[3:]),
-                replace(first, tokens=[first.tokens[0] + 1] + first.tokens[1:])):
+    for bad in (replace(first, tokens=first.tokens[:6], loss_mask=None),  # nothing after the path
+                replace(first, loss_mask=[0, 0, 1] + first.loss_mask[3:]),  # trains inside it
+                replace(first, tokens=[first.tokens[0] + 1] + first.tokens[1:])):  # another path
         with pytest.raises(ValueError, match="trajectory 1 of part 2 does not start with the held path of 6 tokens"):
             prefix_reuse_part(shared, 2, [tree[1], bad])
     # the path ends where a trajectory first trains a token, and before every trajectory's last token

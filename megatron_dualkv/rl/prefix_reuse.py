@@ -133,8 +133,9 @@ class _AfterLastPart(torch.autograd.Function):
 
 @dataclass(eq=False)
 class SharedPrompt:
-    """A group's prompt (a tree's held path) shared by ``num_parts`` response micro-batches; ``held`` lives from the
-    first part's forward to the prompt's backward (or the last part's forward without one)."""
+    """A group's prompt (a tree's held path) shared by ``num_parts`` response micro-batches; ``held``
+    lives from the first part's forward to the prompt's backward (or the last part's forward
+    without one)."""
 
     tokens: Tensor
     num_parts: int
@@ -251,8 +252,7 @@ def _tree_part(prompt: SharedPrompt, index: int, trajectories: List[Trajectory],
         # a token trained inside the path would silently leave the loss: its forward computes no log-probs
         if len(seq) <= held or not torch.equal(torch.from_numpy(seq[:held]), prompt.tokens) or mask[1:held].any():
             raise ValueError(f"prefix reuse: trajectory {i} of part {index} does not start with the held path of "
-                             f"{held} tokens, train none of them (but the first) and go on after it "
-                             "(held_path_len gives such a path)")
+                             f"{held} tokens, train none of them and go on after it (held_path_len gives such a path)")
     rest = pack_trajectories([replace(t, tokens=seq[held:], loss_mask=None) for t, seq in zip(trajectories, seqs)],
                              pad_to_multiple_of, pad_token_id)
     stub = pack_trajectories([replace(t, tokens=seq[held - 1 :], loss_mask=torch.cat([mask.new_zeros(1), mask[held:]]))
