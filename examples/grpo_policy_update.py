@@ -120,8 +120,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             "(packed: the whole largest group when --recompute is auto too, with the least recompute "
                             "that holds it)")
     group.add_argument("--prefix-reuse", choices=["auto", "on", "off"], default="auto",
-                       help="a group over --max-tokens runs its prompt once for all its micro-batches (on), or in "
-                            "sub-groups that each carry it (off); auto: on where the run supports it")
+                       help="a group over --max-tokens runs its prompt (a tree of trajectories the path they "
+                            "share) once for all its micro-batches (on), or in sub-groups (parts) that each carry "
+                            "it (off); auto: on where the run supports it")
     group = parser.add_argument_group("policy loss and updates")
     group.add_argument("--loss", choices=("dapo", "grpo"), default="grpo")
     group.add_argument("--mini-batches", type=int, default=1,
@@ -240,7 +241,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # n
 from tqdm import tqdm  # noqa: E402
 
 from megatron_dualkv import (  # noqa: E402
-    CostModel, PlannedMicroBatch, RolloutGroup, Trajectory, pack_trajectories, trajectory_groups,
+    CostModel, PlannedMicroBatch, RolloutGroup, Trajectory, held_path_len, pack_trajectories, trajectory_groups,
 )
 from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
 from megatron_dualkv.mcore.parallel import current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
@@ -386,12 +387,16 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
 
 
 def held_prompt(args: argparse.Namespace, groups: List[Rollout], max_tokens: int) -> int:
-    """The longest prompt that prefix reuse holds with a budget of ``max_tokens`` (0: none; --prefix-reuse
-    as ``resolve_prefix_reuse`` leaves it, True where it runs)."""
+    """The longest prompt (a split tree's shared path) that prefix reuse holds with a budget of
+    ``max_tokens`` (0: none; --prefix-reuse as ``resolve_prefix_reuse`` leaves it, True where it runs)."""
     if args.prefix_reuse is not True:
         return 0
-    return max((len(g.prompt) for g in groups if isinstance(g, RolloutGroup)
-                and len(g.prompt) + sum(map(len, g.responses)) > max_tokens), default=0)
+    if isinstance(groups[0], RolloutGroup):
+        return max((len(g.prompt) for g in groups if len(g.prompt) + sum(map(len, g.responses)) > max_tokens),
+                   default=0)
+    # the planner's trees: a group's trajectories by their first token
+    trees = [[t for t in g if t.tokens[0] == first] for g in groups for first in {t.tokens[0] for t in g}]
+    return max((held_path_len(tree) for tree in trees if pack_trajectories(tree).num_tokens > max_tokens), default=0)
 
 
 def _largest_cheap_fit(memory: MemoryModel, budget: float, need: int, **shape) -> Fit:
@@ -469,7 +474,6 @@ def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts, card: Mod
     unsupported = [what for bad, what in (
         (args.layout != "packed", f"--layout {args.layout}"), (args.pp > 1, "--pp > 1"), (args.cp > 1, "--cp > 1"),
         (_transformer_engine(args), "the Transformer Engine spec"),
-        (rollouts.trajectories is not None, "trajectory rollouts"),
         ("linear_attention" in layer_types, "Gated DeltaNet layers")) if bad]
     if args.prefix_reuse == "on" and unsupported:
         raise InputError(f"--prefix-reuse on does not run with {', '.join(unsupported)} yet; use --prefix-reuse off")
@@ -483,12 +487,16 @@ def plan_summary(args: argparse.Namespace, groups: List[Rollout], dp_size: int, 
     minis = plan_mini_batches(rollouts, args.mini_batches, args.max_tokens, no_advantages, dp_size=dp_size,
                               attention_weight=attention_weight, prefix_reuse=args.prefix_reuse)
     # a group in more than one micro-batch is split
-    counts = collections.Counter((j, g) for j, mini in enumerate(minis) for rank in mini.plan.ranks for mb in rank
-                                 for g in mb.source_groups)
+    planned = [(j, mb) for j, mini in enumerate(minis) for rank in mini.plan.ranks for mb in rank]
+    counts = collections.Counter((j, g) for j, mb in planned for g in mb.source_groups)
     split = [key for key, count in counts.items() if count > 1]
     if not split:
         return f"plan: every group in one micro-batch of at most {args.max_tokens:,} tokens"
-    how = "prefix reuse (its prompt runs once)" if args.prefix_reuse else "sub-groups (each carries its prompt)"
+    reused = any(mb.shared_prompt is not None for _, mb in planned)
+    if isinstance(groups[0], RolloutGroup):
+        how = "prefix reuse (its prompt runs once)" if reused else "sub-groups (each carries its prompt)"
+    else:
+        how = "prefix reuse (its shared path runs once)" if reused else "parts (each carries its path)"
     groups_over = f"{len(split)} group{'s' * (len(split) > 1)}"
     return (f"plan: {groups_over} over --max-tokens {args.max_tokens:,} in {sum(counts[key] for key in split)} "
             f"micro-batches, as {how}")
@@ -677,7 +685,7 @@ def policy_update_step(policy: Policy, groups: Union[List[RolloutGroup], List[Tr
 
     rollout_logprobs: the inference engine's, per group, per response: the behaviour log-probs
     (no forward pass) unless ``loss_fn.tis_cap`` is set, then beside them for its correction.
-    prefix_reuse: groups over ``max_tokens`` run their prompt once (--prefix-reuse).
+    prefix_reuse: groups (trees) over ``max_tokens`` run their prompt (shared path) once (--prefix-reuse).
     """
     dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     # Group-normalised advantages of whole groups: a group split over micro-batches or ranks

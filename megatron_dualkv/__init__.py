@@ -4,7 +4,7 @@ from .attention import dualkv_attn_func, dualkv_prefix_attn_func
 from .layout import DualKVLayout, PackedLayout, PrefixedLayout, TreeLayout
 from .packing import PackedBatch, ReplicatedBatch, RolloutGroup, pack_groups
 from .planner import CostModel, MicroBatchPlan, PlannedMicroBatch, plan_micro_batches, trajectory_groups
-from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories
+from .trajectories import Trajectory, TrajectoryBatch, held_path_len, pack_trajectories
 
 __all__ = [
     "CostModel",
@@ -21,6 +21,7 @@ __all__ = [
     "TreeLayout",
     "dualkv_attn_func",
     "dualkv_prefix_attn_func",
+    "held_path_len",
     "pack_groups",
     "pack_trajectories",
     "plan_micro_batches",

@@ -53,7 +53,10 @@ cost model is the same: tokens + attention_weight x attention pairs, where a tok
 position p adds p + 1 pairs wherever it is packed. A micro-batch's tokens are those of the union
 of its trajectories' paths (two parts of a tree in one micro-batch share their head again).
 Trajectories are numbered as in ``pack_trajectories``: group by group (``trajectory_groups``),
-trajectory by trajectory, in that flat order ``response_index`` counts them.
+trajectory by trajectory, in that flat order ``response_index`` counts them. With prefix reuse
+(``prefix_reuse=True``) a split group's parts, and a split tree's where its trajectories share a
+path to hold (``held_path_len``), are micro-batches of their own that run against the prompt
+(path) computed once per rank (``rl.prefix_reuse``), instead of carrying it.
 
 Normalisation: Megatron's schedule divides each micro-batch loss by ``M`` and DDP averages
 gradients over DP ranks, so a loss that divides by its micro-batch's own count is not the loss of
@@ -70,7 +73,7 @@ import torch
 
 from .layout import PackedLayout, SegmentNode, causal_pairs
 from .packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
-from .trajectories import Trajectory, TrajectoryBatch, pack_trajectories, trajectory_groups
+from .trajectories import Trajectory, TrajectoryBatch, held_path_len, pack_trajectories, trajectory_groups
 
 DEFAULT_ATTENTION_WEIGHT = 2.0**-14
 
@@ -162,7 +165,8 @@ class _Item:
     responses: Tuple[int, ...]
     tokens: int
     cost: float
-    reuse: bool = False  # a part of a group whose prompt runs once for all its parts (prefix reuse)
+    reuse: bool = False  # a part of a group (tree) whose prompt (held path) runs once for all its parts
+    tree: int = 0  # for trajectories, the root segment of their tree: with ``group``, which tree a part shares
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,8 @@ class PlannedMicroBatch:
     cost:             estimated cost (module docstring)
     trajectories:     the ``Trajectory`` s to pack, group by group; empty for rollout groups
     shared_prompt:    prefix reuse (``plan_micro_batches(prefix_reuse=True)``): the one group's
-                      ``SharedPrompt``, which this rank's parts of it share; ``part`` is this one's
-                      index among them (they run in that order)
+                      ``SharedPrompt`` (the one tree's held path), which this rank's parts of it
+                      share; ``part`` is this one's index among them (they run in that order)
     """
 
     groups: Tuple[RolloutGroup, ...]
@@ -205,11 +209,12 @@ class PlannedMicroBatch:
     def pack(self, pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> Union[PackedBatch, TrajectoryBatch]:
         """``pack_groups`` (``pack_trajectories``) of this micro-batch; a padding micro-batch packs
         as one dummy group of ``pad_token_id`` (1-token prompt, 1-token response, reward 0); a part
-        of a prefix-reuse group packs as its ``PrefixReuseBatch``."""
+        of a prefix-reuse group (tree) packs as its ``PrefixReuseBatch``."""
         if self.shared_prompt is not None:
             from .rl.prefix_reuse import prefix_reuse_part
 
-            return prefix_reuse_part(self.shared_prompt, self.part, self.groups[0], pad_to_multiple_of, pad_token_id)
+            responses = self.groups[0] if self.groups else self.trajectories
+            return prefix_reuse_part(self.shared_prompt, self.part, responses, pad_to_multiple_of, pad_token_id)
         if self.trajectories:
             return pack_trajectories(self.trajectories, pad_to_multiple_of, pad_token_id)
         groups = self.groups or (RolloutGroup([pad_token_id], [[pad_token_id]], rewards=[0.0]),)
@@ -288,7 +293,9 @@ def plan_micro_batches(
     (``rl.prefix_reuse``), instead of carrying it: a rank computes the prompt once for all its
     parts. A part counts the prompt in its tokens (its activations stay alive while the parts run,
     as a sub-group's do in its micro-batch), and a rank runs its parts of a group one after the
-    other. Rollout groups only.
+    other. For trajectories the same holds for a tree over the budget, split as without prefix
+    reuse, with the path its trajectories share up to their first trained token as its prompt
+    (``held_path_len``); a tree without one keeps parts that carry their paths.
 
     groups: ``RolloutGroup`` s, or trajectories (``Trajectory`` s or a ``TrajectoryBatch``).
     See the module docstring for what is kept together, the cost model, the balance guarantee and
@@ -307,9 +314,7 @@ def plan_micro_batches(
         groups = _trajectories_of(groups)
     groups = list(groups)
     if groups and isinstance(groups[0], Trajectory):
-        if prefix_reuse:
-            raise ValueError("plan_micro_batches: prefix_reuse plans rollout groups, not trajectories (yet)")
-        return _plan_trajectories(groups, max_tokens, dp_size, attention_weight)
+        return _plan_trajectories(groups, max_tokens, dp_size, attention_weight, prefix_reuse)
     _check_groups(groups, max_tokens)
     cost = _item_cost(groups, attention_weight)
     items = [replace(item, reuse=prefix_reuse and len(split) > 1)
@@ -320,7 +325,9 @@ def plan_micro_batches(
     per_rank = _assign_to_ranks(items, dp_size)
     bins_per_rank = [_parts_in_order(bins) for bins in _pack_ranks(per_rank, max_tokens)]
     offsets = list(accumulate((len(g.responses) for g in groups), initial=0))
-    ranks = tuple(_rank_micro_batches(groups, offsets, bins) for bins in bins_per_rank)
+    ranks = tuple(_with_shared_prompts([_micro_batch(groups, offsets, b) for b in bins], bins,
+                                       lambda item: groups[item.group].prompt)
+                  for bins in bins_per_rank)
     lens = [(len(g.prompt), [len(r) for r in g.responses]) for g in groups]
     # a prefix-reuse group's prompt counts once per rank that runs parts of it
     carried = sum(len(groups[item.group].prompt) for item in items if item.reuse)
@@ -470,22 +477,22 @@ def _greedy_bins(sizes, costs, count: int, capacity: int, order, choose) -> Opti
 
 
 def _parts_in_order(bins: List[List[_Item]]) -> List[List[_Item]]:
-    """A rank's micro-batches with the parts of each prefix-reuse group one after the other, after
-    the others: a held prompt stays alive from its first part to its last only."""
-    return sorted(bins, key=lambda b: b[0].group if b and b[0].reuse else -1)
+    """A rank's micro-batches with the parts of each prefix-reuse group (tree) one after the other,
+    after the others: a held prompt stays alive from its first part to its last only."""
+    return sorted(bins, key=lambda b: (b[0].group, b[0].tree) if b and b[0].reuse else (-1, -1))
 
 
-def _rank_micro_batches(groups: List[RolloutGroup], offsets: List[int], bins: List[List[_Item]]
-                        ) -> Tuple[PlannedMicroBatch, ...]:
-    """A rank's planned micro-batches; the parts of a prefix-reuse group share one ``SharedPrompt``."""
-    planned = [_micro_batch(groups, offsets, b) for b in bins]
-    reused = sorted({b[0].group for b in bins if b and b[0].reuse})
+def _with_shared_prompts(planned: List[PlannedMicroBatch], bins: List[List[_Item]],
+                         prompt_of: Callable[[_Item], Sequence[int]]) -> Tuple[PlannedMicroBatch, ...]:
+    """A rank's planned micro-batches (of ``bins``), the parts of each prefix-reuse group (tree)
+    sharing one ``SharedPrompt`` of the tokens ``prompt_of(part)``."""
+    reused = sorted({(b[0].group, b[0].tree) for b in bins if b and b[0].reuse})
     if reused:
         from .rl.prefix_reuse import SharedPrompt
 
-        for g in reused:
-            where = [i for i, b in enumerate(bins) if b and b[0].reuse and b[0].group == g]
-            prompt = SharedPrompt(torch.as_tensor(list(groups[g].prompt), dtype=torch.long), len(where))
+        for key in reused:
+            where = [i for i, b in enumerate(bins) if b and b[0].reuse and (b[0].group, b[0].tree) == key]
+            prompt = SharedPrompt(torch.as_tensor(list(prompt_of(bins[where[0]][0])), dtype=torch.long), len(where))
             for part, i in enumerate(where):
                 planned[i] = replace(planned[i], shared_prompt=prompt, part=part)
     return tuple(planned)
@@ -594,7 +601,7 @@ def _split_tree(forest: _Forest, members: List[int], capacity: int, parts: Optio
 
 
 def _plan_trajectories(trajectories: List[Trajectory], max_tokens: int, dp_size: int,
-                       attention_weight: float) -> MicroBatchPlan:
+                       attention_weight: float, prefix_reuse: bool) -> MicroBatchPlan:
     whole = pack_trajectories(trajectories)  # checks every trajectory, named by its input number
     for i, n in enumerate(whole.trajectory_lens):
         if n > max_tokens:
@@ -609,7 +616,8 @@ def _plan_trajectories(trajectories: List[Trajectory], max_tokens: int, dp_size:
 
     def item(members: Sequence[int]) -> _Item:
         tokens, cost = forest.tokens_and_cost(members)
-        return _Item(group_of[members[0]], tuple(sorted(position_of[i] for i in members)), tokens, cost)
+        return _Item(group_of[members[0]], tuple(sorted(position_of[i] for i in members)), tokens, cost,
+                     tree=forest.paths[members[0]][0][0])
 
     def members(it: _Item) -> List[int]:
         return [members_of[it.group][position] for position in it.responses]
@@ -617,24 +625,35 @@ def _plan_trajectories(trajectories: List[Trajectory], max_tokens: int, dp_size:
     trees: Dict[Tuple[int, int], List[int]] = {}  # (group, root segment) -> its trajectories
     for i, path in enumerate(forest.paths):
         trees.setdefault((group_of[i], path[0][0]), []).append(i)
-    items = []
-    for tree in trees.values():
+    items, held_paths = [], {}  # a prefix-reuse tree's held path, by its (group, root segment)
+    for (g, root), tree in trees.items():
         whole_tree = item(tree)
-        items += ([whole_tree] if whole_tree.tokens <= max_tokens else
-                  [item(part) for part in _split_tree(forest, tree, max_tokens)])
+        if whole_tree.tokens <= max_tokens:
+            items.append(whole_tree)
+            continue
+        held = held_path_len([trajectories[i] for i in tree]) if prefix_reuse else 0
+        if held:
+            held_paths[g, root] = trajectories[tree[0]].tokens[:held]
+        items += [replace(item(part), reuse=held > 0) for part in _split_tree(forest, tree, max_tokens)]
     items = _split_until_every_rank_has_work(
-        items, dp_size, lambda it: [item(part) for part in _split_tree(forest, members(it), max_tokens, parts=2)])
-    bins_per_rank = _pack_ranks(_assign_to_ranks(items, dp_size), max_tokens)
+        items, dp_size,
+        lambda it: [replace(item(part), reuse=it.reuse)
+                    for part in _split_tree(forest, members(it), max_tokens, parts=2)])
+    bins_per_rank = [_parts_in_order(bins) for bins in _pack_ranks(_assign_to_ranks(items, dp_size), max_tokens)]
     offsets = list(accumulate((len(m) for m in members_of), initial=0))
-    ranks = tuple(tuple(_trajectory_micro_batch(trajectories, forest, members_of, offsets, bin_items)
-                        for bin_items in bins) for bins in bins_per_rank)
+    ranks = tuple(_with_shared_prompts([_trajectory_micro_batch(trajectories, forest, members_of, offsets, b)
+                                        for b in bins], bins, lambda it: held_paths[it.group, it.tree])
+                  for bins in bins_per_rank)
     trained = [int(mask[1:].sum()) for mask in whole.loss_masks]
+    # a held path counts once per rank that runs parts of its tree, not once per part
+    shared = {id(mb.shared_prompt): mb.shared_prompt for mbs in ranks for mb in mbs if mb.shared_prompt is not None}
     return MicroBatchPlan(
         ranks=ranks,
         num_responses=sum(n > 0 for n in trained),
         response_tokens=sum(trained),
         rollout_tokens=sum(whole.trajectory_lens),
-        packed_tokens=sum(mb.num_tokens for mbs in ranks for mb in mbs),
+        packed_tokens=sum(mb.num_tokens - (0 if mb.shared_prompt is None else len(mb.shared_prompt.tokens))
+                          for mbs in ranks for mb in mbs) + sum(len(p.tokens) for p in shared.values()),
     )
 
 

@@ -251,6 +251,23 @@ def pack_trajectories(trajectories: Sequence[Trajectory], pad_to_multiple_of: in
     )
 
 
+def held_path_len(trajectories: Sequence[Trajectory]) -> int:
+    """The length L of the path the trajectories of one tree hold with prefix reuse
+    (``rl.prefix_reuse``; 0: none): their longest common prefix, cut at the first position any of
+    them trains (the token at position L is predicted from the path's held last hidden state, so
+    it may be trained; one inside the path could not be, as the path's forward computes no
+    log-probs) and so that each keeps a token after it."""
+    seqs = [_trajectory_tokens(t, i) for i, t in enumerate(trajectories)]
+    held = min(len(seq) for seq in seqs) - 1
+    for seq in seqs[1:]:
+        held = min(held, _common_prefix(seqs[0][:held], seq[:held]))
+    for i, (t, seq) in enumerate(zip(trajectories, seqs)):
+        trained = torch.nonzero(_loss_mask(t, i, len(seq))[1 : held + 1])
+        if len(trained):
+            held = int(trained[0]) + 1
+    return held
+
+
 def predictor_index(layout: TreeLayout) -> torch.Tensor:
     """(T,) int64: the packed index of the token before each token along its path, -1 at a root's start."""
     out = torch.arange(-1, layout.total_tokens - 1)

@@ -16,7 +16,8 @@ traceback instead and ends the rank, so that the others fail fast instead of wai
   that the test assembles into full tensors. Among them a layer count that pp splits unevenly
   and a vocabulary that tp pads to another size than one process does; the ``trees_`` runs take
   the step on prefix trees of trajectories (``TREE_MICRO_BATCHES``) instead of rollout groups,
-  the ``reuse_`` runs on one long group's prefix-reuse parts (``REUSE_PARTS``).
+  the ``reuse_`` runs on one long group's prefix-reuse parts (``REUSE_PARTS``), or a tree's
+  (``REUSE_TREE_PARTS``).
 * ``ppo_dp2``: two PPO mini-batches (``ppo_updates``) at dp=2, one of them with a padding
   micro-batch: the parameters after both optimizer steps (test_parallel runs ``ppo_run`` in one
   process too).
@@ -44,7 +45,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
 from megatron_dualkv.rl import (
     GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, forward_only, pack_prefix_reuse,
-    plan_mini_batches, ppo_updates, vocab_parallel_logprobs,
+    pack_prefix_reuse_trajectories, plan_mini_batches, ppo_updates, vocab_parallel_logprobs,
 )
 from gloo_world import join_world, new_rendezvous
 from rollouts import make_batch, make_groups, perturbed
@@ -135,8 +136,11 @@ PARALLEL_RUNS = {
     "reuse_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), reuse=True),
     # each expert rank runs its experts on every part's tokens and the prompt's
     "reuse_moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), reuse=True),
+    # a split tree's held path (REUSE_TREE_PARTS of the first tree of TREE_SHAPES), the same under TP with SP
+    "reuse_trees_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), trees=True, reuse=True),
 }
 REUSE_SHAPE, REUSE_PARTS = (13, [5, 1, 7, 3, 4]), [[0, 1], [2], [3, 4]]
+REUSE_TREE_PARTS = [[0, 1], [2, 3], [4]]
 
 
 def random_tree_shapes(seed: int, groups: range, depth: int = 5, branching: int = 4) -> list:
@@ -194,7 +198,10 @@ def micro_batches(pad_to_multiple_of: int, trees: bool = False, reuse: bool = Fa
     """The micro-batches of every parallel run: the same rollouts (or trajectories, or prefix-reuse
     parts), padded as the run needs, with behaviour and reference log-probs near those of a tiny
     random model (-log 256)."""
-    if reuse:
+    if reuse and trees:
+        tree = [t for t in tree_trajectories(TREE_SHAPES[0], 0) if t.group == 0]
+        batches = pack_prefix_reuse_trajectories(tree, REUSE_TREE_PARTS, pad_to_multiple_of)
+    elif reuse:
         batches = pack_prefix_reuse(make_groups([REUSE_SHAPE])[0], REUSE_PARTS, pad_to_multiple_of)
     elif trees:
         batches = [pack_trajectories(tree_trajectories(shapes, seed), pad_to_multiple_of=pad_to_multiple_of)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dualkv import CostModel, RolloutGroup, pack_groups, plan_micro_batches
+from megatron_dualkv import CostModel, RolloutGroup, held_path_len, pack_groups, pack_trajectories, plan_micro_batches
 from megatron_dualkv.memory import GIB, MemoryModel
 from megatron_dualkv.models import build_model, load_model
 from megatron_dualkv.rl import ResponseTokens, RLMicroBatch, forward_backward, forward_logprobs, plan_mini_batches
@@ -643,8 +643,6 @@ def test_bench_measures_each_model_in_a_process_of_its_own(bench, tmp_path, monk
 def test_bench_agent_episodes(bench, tmp_path, monkeypatch):
     """--agent: issue #31's workload (a) (32,768 packed tokens for 65,536, tool tokens masked), and a
     dry run of the packed tree against the replicated trajectories on the tiny card."""
-    from megatron_dualkv import pack_trajectories
-
     trajectories = bench.agent_episodes(1000, 0, *bench.AGENT)
     batch = pack_trajectories(trajectories)
     assert batch.num_trajectories == 8 and batch.trajectory_lens == (8192,) * 8 and batch.num_tokens == 32768
@@ -885,7 +883,6 @@ def test_agent_episodes_update_ratios_and_the_replicated_layout(script, policy_a
     GRPO: an update's ratio is the mean over the trained tokens of its mini-batch's trajectories of
     exp(new - old), new from each trajectory alone (the replicated layout) of the model after the
     updates before it; the replicated layout takes the same steps."""
-    from megatron_dualkv import pack_trajectories
     from megatron_dualkv.rl import trajectory_logprobs
 
     rollouts = read_rollouts(AGENT_EPISODES, 256, ROOT / "examples" / "data" / "tokenizer.model")
@@ -919,6 +916,33 @@ def test_the_agent_episodes_command(tmp_path):
     out, steps = run_script("--rollouts", AGENT_EPISODES, "--global-batch-size", 2, "--loss", "dapo", "--steps", 2)
     assert "16 trajectories in 4 groups from agent_episodes.jsonl" in out and sorted(steps) == [1, 2]
     assert all(number(fields, "rho") > 2 and fields["mb"] == "1" for fields in steps.values())
+
+
+def test_agent_episodes_with_prefix_reuse_of_split_trees():
+    """Trees over --max-tokens: their shared paths run once (--prefix-reuse on), or each part carries
+    its path (off); the same steps either way, fewer tokens with reuse."""
+    runs = {}
+    for reuse in ("on", "off"):
+        out, steps = run_script("--rollouts", AGENT_EPISODES, "--global-batch-size", 2, "--loss", "dapo", "--steps", 1,
+                                "--max-tokens", 300, "--prefix-reuse", reuse)
+        how = "prefix reuse (its shared path runs once)" if reuse == "on" else "parts (each carries its path)"
+        assert f"plan: 2 groups over --max-tokens 300 in 4 micro-batches, as {how}" in out
+        runs[reuse] = steps[1]
+    for key in ("loss", "margin", "ratio"):
+        assert number(runs["on"], key) == pytest.approx(number(runs["off"], key), rel=1e-4, abs=1e-6), key
+    assert number(runs["on"], "rho") > number(runs["off"], "rho")
+
+
+def test_memory_fit_counts_the_held_path_of_split_trees(script):
+    """A tree over --max-tokens holds its shared path with prefix reuse: ``held_prompt`` is its length."""
+    rollouts = read_rollouts(AGENT_EPISODES, 256, ROOT / "examples" / "data" / "tokenizer.model")
+    groups = script.file_groups(rollouts)
+    args = script.parse_args(["--prefix-reuse", "on"])
+    script.resolve_prefix_reuse(args, rollouts, script.model_card(args))
+    sizes = [pack_trajectories(g).num_tokens for g in groups]  # one tree per group
+    over = [held_path_len(g) for g, n in zip(groups, sizes) if n > 300]
+    assert over and min(over) > 0 and script.held_prompt(args, groups, 300) == max(over)
+    assert script.held_prompt(args, groups, max(sizes)) == 0
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -1,14 +1,20 @@
 """Prefix reuse (rl.prefix_reuse): a group split into response micro-batches that share one prompt
 forward and backward gives the one-micro-batch step's log-probs, losses and gradients, at float64
 on the CPU, through Megatron's schedule."""
+from dataclasses import replace
+
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from megatron_dualkv import Trajectory, pack_groups, plan_micro_batches
+from megatron_dualkv import Trajectory, held_path_len, pack_groups, pack_trajectories, plan_micro_batches
 from megatron_dualkv.models import build_model
-from megatron_dualkv.rl import (DAPOLoss, GRPOLoss, PrefixReuseBatch, RLMicroBatch, forward_backward, forward_logprobs,
-                                pack_prefix_reuse)
+from megatron_dualkv.rl.prefix_reuse import prefix_reuse_part
+from megatron_dualkv.rl import (DAPOLoss, GRPOLoss, PrefixReuseBatch, ResponseTokens, RLMicroBatch, forward_backward,
+                                forward_logprobs, pack_prefix_reuse, pack_prefix_reuse_trajectories)
 from rollouts import make_groups, perturbed
+from strategies import trajectory_sets
 
 SHAPE = (11, [5, 1, 7, 3, 4])
 PARTS = [[0, 1], [2], [3, 4]]
@@ -126,7 +132,7 @@ def test_unsupported_combinations_are_named(model):
         forward_backward(model, split, GRPOLoss(), layout="replicated")
     with pytest.raises(ValueError, match="part 1 runs before its prompt's first part"):
         forward_backward(model, split[1:], GRPOLoss())
-    with pytest.raises(ValueError, match=r"parts \[\[0\], \[0, 1\]\] must split the group's 5 responses"):
+    with pytest.raises(ValueError, match=r"parts \[\[0\], \[0, 1\]\] must split the group's responses \(5\)"):
         pack_prefix_reuse(make_groups([SHAPE])[0], [[0], [0, 1]])
     model.zero_grad(set_to_none=True)
 
@@ -152,8 +158,6 @@ def test_plan_runs_a_long_group_with_prefix_reuse():
         responses = sorted(i for rank in plan.ranks for mb in rank if mb.shared_prompt is not None
                            for i in mb.source_responses[0])
         assert responses == list(range(len(PLAN_SHAPES[1][1])))
-    with pytest.raises(ValueError, match="prefix_reuse plans rollout groups"):
-        plan_micro_batches([Trajectory([1, 2, 3], [0, 1, 1])], 8, prefix_reuse=True)
 
 
 def test_planned_prefix_reuse_step_equals_the_sub_group_step(model):
@@ -198,3 +202,158 @@ def test_gated_deltanet_layers_are_named():
     with pytest.raises(ValueError, match=r"1 of 4 layers held their prompt K/V; .*no Gated DeltaNet layers"):
         forward_backward(model, split, GRPOLoss())
     model.zero_grad(set_to_none=True)
+
+
+def make_tree(seed=0, vocab=256):
+    """One tree of trajectories: an untrained 6-token prompt, then branches at several depths,
+    trained turns with masked tool tokens, odd lengths; one trajectory ends inside another."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
+    prompt, turn, tool, a, b = ids(6), ids(3), ids(2), ids(5), ids(1)
+    paths = [
+        (prompt + turn + tool + a, [0] * 6 + [1] * 3 + [0] * 2 + [1] * 5),
+        (prompt + turn + tool + b + ids(4), [0] * 6 + [1] * 3 + [0] * 2 + [1] * 5),
+        (prompt + turn + ids(7), [0] * 6 + [1] * 10),
+        (prompt + ids(1), [0] * 6 + [1]),
+        (prompt + turn + tool + a[:3], [0] * 6 + [1] * 3 + [0, 0] + [1] * 3),
+        (prompt + ids(2) + tool + ids(3), [0] * 6 + [1, 1, 0, 0, 1, 1, 1]),
+    ]
+    rewards = torch.rand(len(paths), generator=g).round(decimals=1).tolist()
+    return [Trajectory(tokens, mask, reward, "tree") for (tokens, mask), reward in zip(paths, rewards)]
+
+
+TREE_PARTS = [[0, 1, 4], [2], [3, 5]]
+
+
+def tree_whole_and_parts(model, trajectories, parts, pad=1, seed=0):
+    """The tree as one RLMicroBatch and as prefix-reuse parts (``whole_and_parts`` for trees)."""
+    batch = pack_trajectories(trajectories, pad_to_multiple_of=pad)
+    with torch.no_grad():
+        current = forward_logprobs(model, batch)
+    old, ref = perturbed(current, 0.3, seed), perturbed(current, 0.1, seed + 10)
+    advantages = GRPOLoss().advantages(ResponseTokens.of(batch).group_rewards(batch))
+    whole = RLMicroBatch(batch, old, ref, advantages=advantages)
+    pieces = pack_prefix_reuse_trajectories(trajectories, parts, pad_to_multiple_of=pad)
+    split = [RLMicroBatch(piece, [[old[0][i] for i in part]], [[ref[0][i] for i in part]], advantages=advantages[part])
+             for piece, part in zip(pieces, parts)]
+    return whole, split
+
+
+def assert_equal_tree_steps(model, trajectories, parts, pad=1):
+    tol = dict(rtol=1e-10, atol=1e-12)
+    whole, split = tree_whole_and_parts(model, trajectories, parts, pad)
+    count = len(trajectories)
+    (one,), one_grads = step(model, [whole], GRPOLoss(clip_eps=0.2, kl_coef=0.05, normalizer=count))
+    outputs, grads = step(model, split, GRPOLoss(clip_eps=0.2, kl_coef=0.05, normalizer=count / len(parts)))
+    for out, part in zip(outputs, parts):
+        for name in ("logprobs", "entropy"):
+            for got, i in zip(getattr(out, name)[0], part):
+                torch.testing.assert_close(got, getattr(one, name)[0][i], **tol)
+    torch.testing.assert_close(sum(out.loss for out in outputs) / len(parts), one.loss, **tol)
+    assert grads.keys() == one_grads.keys() == {n for n, _ in model.named_parameters()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, one_grads[name], **tol, msg=name)
+
+
+@pytest.mark.parametrize("recompute", [None, "full"], ids=["no recompute", "full recompute"])
+def test_prefix_reuse_of_a_split_tree_equals_one_micro_batch(model, recompute):
+    trajectories = make_tree()
+    assert held_path_len(trajectories) == 6
+    pieces = pack_prefix_reuse_trajectories(trajectories, TREE_PARTS, pad_to_multiple_of=8)
+    assert [piece.layout.is_tree for piece in pieces] == [True, False, False]
+    model = model if recompute is None else float64_model("qwen3-tiny", recompute)
+    assert_equal_tree_steps(model, trajectories, TREE_PARTS, pad=8)
+
+
+@st.composite
+def split_trees(draw):
+    """(a tree's trajectories, each training its last token, with a held path; parts of them)."""
+    trajectories = draw(trajectory_sets(grouped=False, max_segment=4, max_segments=6, vocab=7))
+    first = trajectories[0].tokens[0]
+    tree = [t for t in trajectories if t.tokens[0] == first and len(t.tokens) > 1]
+    assume(tree)
+    tree = [replace(t, loss_mask=[*(t.loss_mask or [False] * len(t.tokens))[:-1], True], reward=float(i % 3))
+            for i, t in enumerate(tree)]
+    labels = draw(st.lists(st.integers(0, 2), min_size=len(tree), max_size=len(tree)))
+    parts = [[i for i, label in enumerate(labels) if label == part] for part in sorted(set(labels))]
+    return tree, parts
+
+
+@given(split_trees(), st.sampled_from([1, 8]))
+@settings(max_examples=4, deadline=None)
+def test_prefix_reuse_of_drawn_trees_equals_one_micro_batch(model, tree_and_parts, pad):
+    assert_equal_tree_steps(model, *tree_and_parts, pad=pad)
+
+
+def test_trees_without_a_held_path_are_named():
+    with pytest.raises(ValueError, match="share no path to hold: a trajectory of one token"):
+        pack_prefix_reuse_trajectories([Trajectory([1, 2, 3]), Trajectory([1])], [[0], [1]])
+    with pytest.raises(ValueError, match=r"must be one prefix tree \(one group, one first token\)"):
+        pack_prefix_reuse_trajectories([Trajectory([1, 2, 3]), Trajectory([2, 2])], [[0, 1]])
+    with pytest.raises(ValueError, match=r"parts \[\[0\]\] must split the trajectories \(2\)"):
+        pack_prefix_reuse_trajectories([Trajectory([1, 2, 3]), Trajectory([1, 2])], [[0]])
+    tree = make_tree()
+    shared = pack_prefix_reuse_trajectories(tree, [[0, 1, 2, 3, 4, 5]])[0].prompt
+    first = tree[0]
+    for bad in (replace(first, tokens=first.tokens[:6], loss_mask=None),  # nothing after the path
+                replace(first, loss_mask=[0, 0, 1] + first.loss_mask[3:]),  # trains inside it
+                replace(first, tokens=[first.tokens[0] + 1] + first.tokens[1:])):  # another path
+        with pytest.raises(ValueError, match="trajectory 1 of part 2 does not start with the held path of 6 tokens"):
+            prefix_reuse_part(shared, 2, [tree[1], bad])
+    # the path ends where a trajectory first trains a token, and before every trajectory's last token
+    assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), Trajectory([1, 2, 3, 4, 6])]) == 1
+    assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 1, 1]), Trajectory([1, 2, 3, 4], [0, 0, 0, 1])]) == 3
+    assert held_path_len([Trajectory([1, 2, 3, 4, 5], [0, 0, 0, 0, 1]), Trajectory([1, 2, 3], [0, 0, 1])]) == 2
+
+
+def planned_tree_trajectories():
+    """Two trees of one group (the second small) and a tree of another group."""
+    tree = make_tree()
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    small = [Trajectory([tree[0].tokens[0] + 1] + ids(4), None, 0.5, "tree"),
+             Trajectory([tree[0].tokens[0] + 1] + ids(2), None, 1.0, "tree")]
+    other = [Trajectory(ids(9), [0] * 4 + [1] * 5, 0.0, "other"), Trajectory(ids(3), None, 1.0, "other")]
+    return tree[:3] + small + tree[3:] + other
+
+
+def test_plan_runs_a_split_tree_with_prefix_reuse():
+    trajectories = planned_tree_trajectories()
+    for dp_size in (1, 2):
+        plan = plan_micro_batches(trajectories, 20, dp_size, prefix_reuse=True)
+        carried = plan_micro_batches(trajectories, 20, dp_size).packed_tokens
+        # parts spread over ranks each compute the held path there
+        assert plan.packed_tokens < carried if dp_size == 1 else plan.packed_tokens <= carried
+        for rank in plan.ranks:
+            shared = [mb for mb in rank if mb.shared_prompt is not None]
+            assert len({id(mb.shared_prompt) for mb in shared}) <= 1
+            first = next((i for i, mb in enumerate(rank) if mb.shared_prompt is not None), 0)
+            assert [mb.part for mb in rank[first : first + len(shared)]] == list(range(len(shared)))
+            assert all(len(mb.shared_prompt.tokens) == 6 and mb.shared_prompt.num_parts == len(shared) for mb in shared)
+            assert all(mb.num_tokens <= 20 for mb in rank)
+        assert sorted(i for rank in plan.ranks for mb in rank if mb.shared_prompt is not None
+                      for i in mb.source_responses[0]) == [0, 1, 2, 5, 6, 7]
+    # no path to hold (a trajectory of the tree's first token alone): parts carry their paths
+    pathless = trajectories + [Trajectory(trajectories[0].tokens[:1], None, 0.0, "tree")]
+    plan = plan_micro_batches(pathless, 20, prefix_reuse=True)
+    assert all(mb.shared_prompt is None for rank in plan.ranks for mb in rank)
+    assert plan.packed_tokens == plan_micro_batches(pathless, 20).packed_tokens
+
+
+def test_planned_tree_step_equals_the_one_micro_batch_step(model):
+    """A plan whose split tree runs with prefix reuse: the one-micro-batch step's losses and gradients."""
+    trajectories = planned_tree_trajectories()
+    batch = pack_trajectories(trajectories)
+    advantages = GRPOLoss().advantages(ResponseTokens.of(batch).group_rewards(batch))
+    results = []
+    for max_tokens in (None, 20):
+        plan = plan_micro_batches(trajectories, max_tokens or batch.num_tokens, prefix_reuse=True)
+        loss_fn = GRPOLoss(normalizer=plan.loss_normalizer("sequence-mean"))
+        micro_batches = [RLMicroBatch(mb.pack(8), advantages=mb.select_responses(advantages), on_policy=True)
+                         for mb in plan.ranks[0]]
+        outputs, grads = step(model, micro_batches, loss_fn)
+        results.append((sum(out.loss for out in outputs) / len(outputs), grads))
+    assert sum(isinstance(mb.batch, PrefixReuseBatch) for mb in micro_batches) > 1
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
+    for name, grad in results[1][1].items():
+        torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)

@@ -5,7 +5,7 @@ Megatron RL loop"), and PPO mini-batches and epochs over it (``ppo``)."""
 from .logprobs import response_logprobs, vocab_parallel_logprobs
 from .losses import DAPOLoss, GRPOLoss, PolicyLoss, PolicyLossOutput, clipped_policy_loss, group_normalized_advantages
 from .ppo import MiniBatch, PPOUpdate, forward_only, plan_mini_batches, ppo_updates
-from .prefix_reuse import PrefixReuseBatch, pack_prefix_reuse
+from .prefix_reuse import PrefixReuseBatch, pack_prefix_reuse, pack_prefix_reuse_trajectories
 from .responses import ResponseTokens
 from .step import RLMicroBatch, RLStepOutput, forward_backward, forward_logprobs, rl_forward_step, trajectory_logprobs
 
@@ -26,6 +26,7 @@ __all__ = [
     "forward_only",
     "group_normalized_advantages",
     "pack_prefix_reuse",
+    "pack_prefix_reuse_trajectories",
     "plan_mini_batches",
     "ppo_updates",
     "response_logprobs",

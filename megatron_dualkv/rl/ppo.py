@@ -126,7 +126,7 @@ def plan_mini_batches(
     advantages: (num_responses,) of the whole rollout batch, flat in its order (group by group):
     ``loss_fn.advantages`` of the rewards of all groups. ValueError when the groups do not split
     into ``num_mini_batches`` equal parts or the advantages do not match the responses.
-    prefix_reuse: a group over ``max_tokens`` runs its prompt once (``plan_micro_batches``).
+    prefix_reuse: a group (tree) over ``max_tokens`` runs its prompt (shared path) once (``plan_micro_batches``).
     """
     if isinstance(num_mini_batches, bool) or not isinstance(num_mini_batches, int) or num_mini_batches < 1:
         raise ValueError(f"num_mini_batches must be a positive int, got {num_mini_batches!r}")

@@ -1,7 +1,11 @@
 """Prefix reuse across micro-batches: a group too large for one micro-batch runs its prompt once.
 
 ``pack_prefix_reuse(group, parts)`` splits a group's responses into micro-batches that share one
-``SharedPrompt``. In a step (``forward_backward``, Megatron's schedule, micro-batches in order):
+``SharedPrompt``; ``pack_prefix_reuse_trajectories(trajectories, parts)`` does the same for the
+trajectories of one prefix tree, whose held "prompt" is the path they all share up to their first
+trained token (``held_path_len``) and whose parts are each the rest of the tree that their
+trajectories reach (``PrefixedLayout`` with ``segment_parents``). In a step (``forward_backward``,
+Megatron's schedule, micro-batches in order):
 
 1. the first part's forward runs the prompt alone (positions 0..P-1) and holds, per layer, its
    K/V exactly as DualKV attention consumes them (after the q/k norm and RoPE), and the final
@@ -22,8 +26,9 @@ autograd engine callback), so Megatron's schedule sees one backward per micro-ba
 deferred gradient sync happens after it (its ``no_sync`` covers the earlier parts), and activation
 recompute of the prompt's layers, which reruns ``_HeldKV`` in that backward, works unchanged.
 
-Losses: a part is a micro-batch of the plan like a sub-group (``planner``): its advantages come from
-the whole group (``RLMicroBatch.advantages``), its loss divides by the plan's ``loss_normalizer``.
+Losses: a part is a micro-batch of the plan like a sub-group (``planner``), or like a part of a
+tree that carries its path: its advantages come from the whole group (``RLMicroBatch.advantages``),
+its loss divides by the plan's ``loss_normalizer``.
 
 Not supported yet (a ValueError names the combination): pipeline and context parallelism, the
 replicated layout, DDP's overlapped gradient reduce, and core attention
@@ -32,7 +37,7 @@ other than ``DualKVAttention``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from megatron.core import parallel_state
@@ -41,6 +46,8 @@ from torch import Tensor
 
 from ..layout import DualKVLayout, PrefixedLayout
 from ..packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
+from ..trajectories import (Trajectory, TrajectoryBatch, _loss_mask, _trajectory_tokens, held_path_len,
+                           pack_trajectories)
 
 
 class HeldPrompt:
@@ -126,8 +133,9 @@ class _AfterLastPart(torch.autograd.Function):
 
 @dataclass(eq=False)
 class SharedPrompt:
-    """A group's prompt shared by ``num_parts`` response micro-batches; ``held`` lives from the
-    first part's forward to the prompt's backward (or the last part's forward without one)."""
+    """A group's prompt (a tree's held path) shared by ``num_parts`` response micro-batches; ``held``
+    lives from the first part's forward to the prompt's backward (or the last part's forward
+    without one)."""
 
     tokens: Tensor
     num_parts: int
@@ -145,18 +153,22 @@ class SharedPrompt:
 
 @dataclass(eq=False)
 class PrefixReuseBatch:
-    """One response micro-batch of a group whose prompt is held (``pack_prefix_reuse``).
+    """One response micro-batch of a group whose prompt is held (``pack_prefix_reuse``), or one
+    part of a tree whose shared path is held (``pack_prefix_reuse_trajectories``).
 
-    tokens / layout: the responses (and padding), ``PrefixedLayout`` (positions after the prompt).
-    stub: the same responses after a one-token prompt (the prompt's last token): what the losses
-    read (``ResponseTokens``, rewards), with the prompt's held last hidden state as that token's row.
+    tokens / layout: the responses, or the part's rest of a tree (and padding), ``PrefixedLayout``
+    (positions after the prompt or held path).
+    stub: the same responses after a one-token prompt (the prompt's last token), a ``PackedBatch``;
+    for a tree the part's trajectories from the held path's last token on (untrained), a
+    ``TrajectoryBatch`` whose packed order is that token, then ``tokens``': what the losses read
+    (``ResponseTokens``, rewards), with the held last hidden state as that token's row.
     """
 
     prompt: SharedPrompt
     index: int
     tokens: Tensor
     layout: PrefixedLayout
-    stub: PackedBatch
+    stub: Union[PackedBatch, TrajectoryBatch]
 
     @property
     def num_tokens(self) -> int:
@@ -173,13 +185,40 @@ def pack_prefix_reuse(group: RolloutGroup, parts: Sequence[Sequence[int]], pad_t
     response in one part) that share one prompt forward and backward per step (module docstring).
     Each part is padded to ``pad_to_multiple_of`` tokens, as is the prompt's own forward."""
     check_rollout_groups([group], "pack_prefix_reuse")
-    every = sorted(i for part in parts for i in part)
-    if not parts or any(not part for part in parts) or every != list(range(len(group.responses))):
-        raise ValueError(f"pack_prefix_reuse: parts {[list(p) for p in parts]} must split the group's "
-                         f"{len(group.responses)} responses, each into exactly one non-empty part")
+    _check_parts("pack_prefix_reuse", parts, len(group.responses), "the group's responses")
     prompt = SharedPrompt(torch.as_tensor(list(group.prompt), dtype=torch.long), len(parts))
     return [prefix_reuse_part(prompt, index, _responses_of(group, part), pad_to_multiple_of, pad_token_id)
             for index, part in enumerate(parts)]
+
+
+def pack_prefix_reuse_trajectories(trajectories: Sequence[Trajectory], parts: Sequence[Sequence[int]],
+                                   pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> List[PrefixReuseBatch]:
+    """The trajectories of one prefix tree (one group, a common first token) split into
+    micro-batches ``parts`` (lists of trajectory indices, each trajectory in one part) that share
+    one forward and backward of their held path (``held_path_len``) per step; each part is the
+    rest of the tree under it that its trajectories reach (module docstring)."""
+    trajectories = list(trajectories)
+    _check_parts("pack_prefix_reuse_trajectories", parts, len(trajectories), "the trajectories")
+    seqs = [_trajectory_tokens(t, i) for i, t in enumerate(trajectories)]
+    groups = {t.group for t in trajectories}
+    if len(groups) > 1 or len({int(seq[0]) for seq in seqs}) > 1:
+        raise ValueError("pack_prefix_reuse_trajectories: the trajectories must be one prefix tree (one group, "
+                         f"one first token); got groups {sorted(map(repr, groups))} and first tokens "
+                         f"{sorted({int(seq[0]) for seq in seqs})}")
+    held = held_path_len(trajectories)
+    if held < 1:
+        raise ValueError("pack_prefix_reuse_trajectories: the trajectories share no path to hold: a trajectory of "
+                         "one token leaves no token after it (plan such a tree with carried paths)")
+    prompt = SharedPrompt(torch.from_numpy(seqs[0][:held]), len(parts))
+    return [prefix_reuse_part(prompt, index, [trajectories[i] for i in part], pad_to_multiple_of, pad_token_id)
+            for index, part in enumerate(parts)]
+
+
+def _check_parts(caller: str, parts: Sequence[Sequence[int]], count: int, what: str) -> None:
+    every = sorted(i for part in parts for i in part)
+    if not parts or any(not part for part in parts) or every != list(range(count)):
+        raise ValueError(f"{caller}: parts {[list(p) for p in parts]} must split {what} ({count}), "
+                         "each into exactly one non-empty part")
 
 
 def _responses_of(group: RolloutGroup, part: Sequence[int]) -> RolloutGroup:
@@ -187,17 +226,45 @@ def _responses_of(group: RolloutGroup, part: Sequence[int]) -> RolloutGroup:
     return RolloutGroup(group.prompt, [group.responses[i] for i in part], rewards)
 
 
-def prefix_reuse_part(prompt: SharedPrompt, index: int, group: RolloutGroup, pad_to_multiple_of: int = 1,
-                      pad_token_id: int = 0) -> PrefixReuseBatch:
-    """Part ``index`` of ``prompt``'s response micro-batches: ``group``, its prompt with this part's
-    responses, packed with padding to ``pad_to_multiple_of`` (the prompt's forward too)."""
+def prefix_reuse_part(prompt: SharedPrompt, index: int, responses: Union[RolloutGroup, Sequence[Trajectory]],
+                      pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PrefixReuseBatch:
+    """Part ``index`` of ``prompt``'s micro-batches, packed with padding to ``pad_to_multiple_of``
+    (the prompt's forward too): ``responses``, a ``RolloutGroup`` (its prompt with this part's
+    responses), or this part's trajectories of a tree whose held path is ``prompt``."""
     prompt.pad_to_multiple_of, prompt.pad_token_id = pad_to_multiple_of, pad_token_id
+    if not isinstance(responses, RolloutGroup):
+        return _tree_part(prompt, index, list(responses), pad_to_multiple_of, pad_token_id)
+    group = responses
     responses = [list(r) for r in group.responses]
     stub = pack_groups([RolloutGroup(list(group.prompt)[-1:], responses, group.rewards)])
     lens = tuple(map(len, responses))
     pad = -sum(lens) % pad_to_multiple_of
     tokens = torch.tensor([t for r in responses for t in r] + [pad_token_id] * pad, dtype=torch.long)
     return PrefixReuseBatch(prompt, index, tokens, PrefixedLayout((len(group.prompt),), (lens,), pad), stub)
+
+
+def _tree_part(prompt: SharedPrompt, index: int, trajectories: List[Trajectory], pad_to_multiple_of: int,
+               pad_token_id: int) -> PrefixReuseBatch:
+    held = len(prompt.tokens)
+    seqs = [_trajectory_tokens(t, i) for i, t in enumerate(trajectories)]
+    masks = [_loss_mask(t, i, len(seq)) for i, (t, seq) in enumerate(zip(trajectories, seqs))]
+    for i, (seq, mask) in enumerate(zip(seqs, masks)):
+        # a token trained inside the path would silently leave the loss: its forward computes no log-probs
+        if len(seq) <= held or not torch.equal(torch.from_numpy(seq[:held]), prompt.tokens) or mask[1:held].any():
+            raise ValueError(f"prefix reuse: trajectory {i} of part {index} does not start with the held path of "
+                             f"{held} tokens, train none of them and go on after it (held_path_len gives such a path)")
+    rest = pack_trajectories([replace(t, tokens=seq[held:], loss_mask=None) for t, seq in zip(trajectories, seqs)],
+                             pad_to_multiple_of, pad_token_id)
+    stub = pack_trajectories([replace(t, tokens=seq[held - 1 :], loss_mask=torch.cat([mask.new_zeros(1), mask[held:]]))
+                              for t, seq, mask in zip(trajectories, seqs, masks)])
+    # Both tries are built alike and the stub's sequences all start with the path's last token, so
+    # its packed order is that token, then the rest's: the stub's rows are the part's after the
+    # held last hidden state's (prefix_reuse_output).
+    assert all(torch.equal(s, torch.cat([s.new_zeros(1), r + 1]))
+               for s, r in zip(stub.trajectory_index, rest.trajectory_index))
+    layout = PrefixedLayout((held,), (rest.layout.segment_lens,), rest.layout.pad_len,
+                            segment_parents=(rest.layout.segment_parent,))
+    return PrefixReuseBatch(prompt, index, rest.tokens, layout, stub)
 
 
 def prefix_reuse_output(model, micro_batch, layout: str):

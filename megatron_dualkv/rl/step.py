@@ -39,7 +39,8 @@ class RLMicroBatch:
     """One packed micro-batch and what the policy loss needs besides the current log-probs.
 
     batch: a ``PackedBatch`` or a ``TrajectoryBatch`` (whose trajectories are its responses), or a
-    ``PrefixReuseBatch`` (``pack_prefix_reuse``: responses of a group whose prompt runs once).
+    ``PrefixReuseBatch`` (``pack_prefix_reuse``: responses of a group whose prompt runs once;
+    ``pack_prefix_reuse_trajectories``: a part of a tree whose shared path runs once).
     old_logprobs / ref_logprobs / rollout_logprobs: per group, per response (R_i,) tensors of its
     trained tokens, as ``forward_logprobs`` returns them (behaviour policy; reference policy, for a
     KL term; the inference engine's log-probs of the sampled tokens, for the loss's rollout
