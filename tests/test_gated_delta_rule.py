@@ -300,11 +300,11 @@ def _on_cuda(dtype):
     (((8, 0), "3.6.0", False), torch.bfloat16, "fla"),
     (((8, 0), "3.6.0", False), torch.float64, "torch"),  # a dtype fla does not take
 ])
-def test_auto_takes_fla_on_cuda_only_where_it_is_usable(monkeypatch, environment, dtype, want):
+def test_auto_takes_fla_on_cuda_only_where_it_is_usable_else_torch(monkeypatch, environment, dtype, want):
     monkeypatch.setattr(gdr, "fla_installed", lambda: True)
     monkeypatch.setattr(gdr, "_fla_environment", lambda device: environment)
     assert gdr._backend(_on_cuda(dtype), "auto") == want
-    assert gdr._backend(torch.empty(0, dtype=dtype), "auto") == "reference"
+    assert gdr._backend(torch.empty(0, dtype=dtype), "auto") == "torch"  # the CPU
 
 
 def test_fla_where_it_miscompiles_says_what_to_install(monkeypatch):

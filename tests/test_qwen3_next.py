@@ -4,8 +4,6 @@ on the packed layout and the bitwise round trip; test_rl_trees: trees against ea
 alone; test_recompute; test_parallel: tp and pp on gloo): the replicated layout against the
 packed one, the cost model's GDN count against the module's own weights, the launch script, and
 the clear errors."""
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from megatron_dualkv.models.builder import FAMILIES, uses_transformer_engine
 from megatron_dualkv.planner import CostModel, gated_delta_net_token_flops
 from megatron_dualkv.rl import GRPOLoss, forward_backward
 from rollouts import rl_micro_batches
-from test_examples import ROOT, SCRIPT
+from test_examples import ROOT, SCRIPT, load, train_in_process
 
 CARD = "qwen3_5-tiny"
 SHAPES = [[(6, [4, 1, 5]), (2, [3])]]
@@ -67,14 +65,13 @@ def test_the_cost_model_counts_a_gdn_layer_per_token(model):
     assert cost.pair_flops == kinds.count("full_attention") * 4 * config.num_attention_heads * config.kv_channels
 
 
-def test_the_launch_script_trains_the_tiny_card():
+def test_the_launch_script_trains_the_tiny_card(capsys):
     """On agent episodes: prefix trees, every GDN segment from its parent's state (rollout groups
-    run in-process in test_memory's test_the_launch_script_fits_a_gated_delta_net_model)."""
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", CARD, "--steps", "1", "--rollouts",
-                             str(ROOT / "examples" / "data" / "agent_episodes.jsonl")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"model {CARD}" in result.stdout and "| spec local |" in result.stdout and "step    1/1" in result.stdout
+    run in test_memory's test_the_launch_script_fits_a_gated_delta_net_model)."""
+    script = load(SCRIPT, "grpo_policy_update")
+    out, steps = train_in_process(script, capsys, "--model", CARD, "--steps", 1, "--rollouts",
+                                  ROOT / "examples" / "data" / "agent_episodes.jsonl")
+    assert f"model {CARD}" in out and "| spec local |" in out and list(steps) == [1]
 
 
 def test_bad_settings_name_what_is_wrong():
