@@ -492,14 +492,18 @@ def plan_summary(args: argparse.Namespace, groups: List[Rollout], dp_size: int, 
     split = [key for key, count in counts.items() if count > 1]
     if not split:
         return f"plan: every group in one micro-batch of at most {args.max_tokens:,} tokens"
-    reused = any(mb.shared_prompt is not None for _, mb in planned)
-    if isinstance(groups[0], RolloutGroup):
-        how = "prefix reuse (its prompt runs once)" if reused else "sub-groups (each carries its prompt)"
-    else:
-        how = "prefix reuse (its shared path runs once)" if reused else "parts (each carries its path)"
+    reused = {(j, g) for j, mb in planned if mb.shared_prompt is not None for g in mb.source_groups}
+    trees = not isinstance(groups[0], RolloutGroup)
+    ways = {True: "prefix reuse (its shared path runs once)" if trees else "prefix reuse (its prompt runs once)",
+            False: "parts (each carries its path)" if trees else "sub-groups (each carries its prompt)"}
+    by_way = collections.Counter(key in reused for key in split)
+    if len(by_way) == 1:
+        how = f"as {ways[next(iter(by_way))]}"
+    else:  # some split groups hold no prompt or path (a tree trained from its first tokens)
+        how = "; ".join(f"{by_way[way]} as {ways[way]}" for way in (True, False))
     groups_over = f"{len(split)} group{'s' * (len(split) > 1)}"
     return (f"plan: {groups_over} over --max-tokens {args.max_tokens:,} in {sum(counts[key] for key in split)} "
-            f"micro-batches, as {how}")
+            f"micro-batches, {how}")
 
 
 def check_token_budget(args: argparse.Namespace, groups: List[Rollout]) -> None:

@@ -941,6 +941,23 @@ def test_agent_episodes_with_prefix_reuse_of_split_trees(script, capsys):
     assert number(runs["on"], "rho") > number(runs["off"], "rho")
 
 
+def test_the_plan_line_names_each_way_split_trees_run(script):
+    """Two trees over the budget: one holds its prompt (prefix reuse); the other has a trajectory of
+    its first token alone, which leaves no path to hold, so its parts carry their paths."""
+    from megatron_dualkv import Trajectory
+
+    def tree(group, first, lone):
+        prompt = [first] + [7] * 9
+        trajectories = [Trajectory(prompt + [10 + i] * 8, [False] * 10 + [True] * 8, float(i), group) for i in range(3)]
+        return trajectories + [Trajectory([first], [False], 0.0, group)] * lone
+
+    args = script.parse_args(["--prefix-reuse", "on", "--max-tokens", "30", "--global-batch-size", "2"])
+    args.prefix_reuse = True
+    line = script.plan_summary(args, [tree("a", 1, False), tree("b", 2, True)], 1, 0.0)
+    assert line == ("plan: 2 groups over --max-tokens 30 in 4 micro-batches, 1 as prefix reuse (its shared path runs "
+                    "once); 1 as parts (each carries its path)"), line
+
+
 def test_memory_fit_counts_the_held_path_of_split_trees(script):
     """A tree over --max-tokens holds its shared path with prefix reuse: ``held_prompt`` is its length."""
     rollouts = read_rollouts(AGENT_EPISODES, 256, ROOT / "examples" / "data" / "tokenizer.model")
