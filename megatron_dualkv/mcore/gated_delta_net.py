@@ -29,6 +29,7 @@ conversion reorders the rows (``models.qwen3_next``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -179,4 +180,11 @@ def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:
         return layout
     if packed_seq_params is not None:
         raise ValueError("DualKVGatedDeltaNet: packed params without a DualKV layout (DualKVPackedSeqParams.from_layout)")
+    return _rows_layout(seq, batch, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _rows_layout(seq: int, batch: int, device: torch.device) -> TreeLayout:
+    """Each of ``batch`` rows a sequence of its own: one layout per shape, so the plans that the
+    conv and the delta rule derive from it are built once, not again in every GDN layer."""
     return TreeLayout((seq,) * batch, (-1,) * batch, device=device)

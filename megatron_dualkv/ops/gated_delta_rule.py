@@ -36,6 +36,7 @@ of magnitude faster than the token loop, and as exact).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -118,13 +119,8 @@ def gated_delta_rule_func(
     if q.dim() == 3 and v.dim() == 3 and v.shape[1] % q.shape[1]:
         raise ValueError(f"v's {v.shape[1]} heads must be a multiple of q's {q.shape[1]}")
     if backend == "reference":
-        # in float32 at least, as transformers' PyTorch path computes it
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        q, k = q.to(dtype), k.to(dtype)
-        if qk_l2norm:
-            q, k = _l2_normed(q), _l2_normed(k)
-        repeat = v.shape[1] // q.shape[1]
-        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        q, k = _per_value_head(q, k, v.shape[1], qk_l2norm)
+        dtype = q.dtype
         out, finals = gated_delta_rule_reference(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), layout, scale,
                                                  None if initial_state is None else initial_state.to(dtype))
         return out.to(v.dtype), finals.float() if dtype != torch.float64 else finals
@@ -173,12 +169,8 @@ def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> V
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
 
     def chunked_rule(q, k, v, g, beta, cu_seqlens_cpu, initial):
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        q, k = q.to(dtype), k.to(dtype)
-        if qk_l2norm:
-            q, k = _l2_normed(q), _l2_normed(k)
-        repeat = v.shape[1] // q.shape[1]
-        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        q, k = _per_value_head(q, k, v.shape[1], qk_l2norm)
+        dtype = q.dtype
         padding = _ChunkPadding.of(cu_seqlens_cpu, chunk_size, q.device)
         chunked = [padding.chunked(x.to(dtype)) for x in (q * scale, k, v, g, beta)]
         if initial is None:
@@ -206,7 +198,14 @@ class _ChunkPadding:
 
     @staticmethod
     def of(cu_seqlens_cpu: Tensor, chunk_size: int, device) -> "_ChunkPadding":
-        # from the host copy, so that planning the padding does not wait for the GPU
+        # from the host copy, so that planning the padding does not wait for the GPU; once per
+        # sequence lengths, not again for every layer and every recompute
+        return _ChunkPadding._of(tuple(cu_seqlens_cpu.tolist()), chunk_size, torch.device(device))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def _of(boundaries: Tuple[int, ...], chunk_size: int, device: torch.device) -> "_ChunkPadding":
+        cu_seqlens_cpu = torch.tensor(boundaries, dtype=torch.int64)
         starts, lengths = cu_seqlens_cpu[:-1], cu_seqlens_cpu.diff()
         sequences, tokens = len(lengths), int(cu_seqlens_cpu[-1])
         chunks = -(-int(lengths.max()) // chunk_size)
@@ -435,6 +434,17 @@ def _check_torch_inputs(q, k, v, g, beta, layout, scale, initial_state) -> None:
     if initial_state is not None and initial_state.dtype not in wide:
         raise ValueError("the torch backend keeps states in float32 or float64; "
                          f"initial_state is {initial_state.dtype}")
+
+
+def _per_value_head(q: Tensor, k: Tensor, value_heads: int, qk_l2norm: bool) -> Tuple[Tensor, Tensor]:
+    """q and k in float32 at least (as transformers' PyTorch path computes them), L2-normed if asked,
+    each key head repeated for the value heads it serves: what the PyTorch backends take."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k = q.to(dtype), k.to(dtype)
+    if qk_l2norm:
+        q, k = _l2_normed(q), _l2_normed(k)
+    repeat = value_heads // q.shape[1]
+    return q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
 
 
 def _l2_normed(x: Tensor) -> Tensor:
