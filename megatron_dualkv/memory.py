@@ -21,7 +21,8 @@ recomputed layer everything but its input. The counts were read off the code and
 H200 (PERF_NOTES.md, session 19: one layer within 3.5%, ten whole steps' peaks within -0.2% to +7.2%);
 a change to a spec that saves other tensors must change them too (``tests/test_memory_gpu.py``).
 A Gated DeltaNet layer (the hybrids) keeps what its GPU path and fla's chunked kernel save
-(``_gated_delta_net_tensors``): read off their code, not yet measured on a GPU.
+(``_gated_delta_net_tensors``): read off their code, and measured on the H200 within 3.5% on
+both backends (PERF_NOTES.md, session 28).
 """
 from __future__ import annotations
 
@@ -288,23 +289,21 @@ def _gated_delta_net_tensors(config, b: int) -> List[SavedTensor]:
     Per segment rather than per token, and not counted: each segment's initial recurrent state
     (value heads x Dk x Dv in fp32) and its conv tail (K-1 rows of the conv channels). Qwen3.5-4B,
     one 16-response group (17 segments): 24 GDN layers x 17 x (2 MiB + 48 KiB) = 0.82 GiB, under 1%
-    of those layers' 191 KiB per token at 24,576 tokens (107 GiB).
+    of those layers' 150 KiB per token at 24,576 tokens (85 GiB).
 
     Selective recompute frees nothing here beyond the layer's norm outputs and MLP activation: every
     other tensor is a matmul's or the conv's output or the kernel's own, which only re-running
     in_proj, the conv or the kernel would give back (the full recompute of the layer)."""
     gdn = _GatedDeltaNetWidths.of(config)
     return [
-        SavedTensor("in_proj: its output (q, k, v, z, b, a)", gdn.in_proj, b),
         SavedTensor("short conv: its input gathered with each segment's carried-in rows", gdn.conv, b),
         SavedTensor("short conv: its output before the SiLU", gdn.conv, b),
         SavedTensor("beta and the decay g (fp32)", 2 * gdn.value_heads, 4),
         SavedTensor("delta rule: its L2-normed q and k, and v", gdn.conv, b),
         SavedTensor("delta rule: q and k's rstd, the decay's chunk cumsum (fp32)", 2 * gdn.key_heads + gdn.value_heads, 4),
         SavedTensor("delta rule: A, each value head's row of its chunk's matrix", GDN_CHUNK_SIZE * gdn.value_heads, b),
-        SavedTensor("delta rule: its output o", gdn.values, b),
-        SavedTensor("gated norm: the gate z", gdn.values, b),
-        SavedTensor("gated norm: o in fp32 and its statistics", gdn.values + gdn.value_heads, 4),
+        SavedTensor("delta rule: its output o, the gated norm's input", gdn.values, b),
+        SavedTensor("gated norm: the gate z, copied out of in_proj's output per value head", gdn.values, b),
         SavedTensor("gated norm: its output, out_proj's input", gdn.values, b),
         SavedTensor("input and pre-MLP norm statistics (fp32)", 2, 4, "seq"),
     ]

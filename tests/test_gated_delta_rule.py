@@ -315,6 +315,17 @@ def test_fla_where_it_miscompiles_says_what_to_install(monkeypatch):
         gdr._backend(_on_cuda(torch.bfloat16), "fla")
 
 
+def test_the_environment_overrides_what_auto_picks(monkeypatch):
+    monkeypatch.setattr(gdr, "fla_installed", lambda: True)
+    monkeypatch.setattr(gdr, "_fla_environment", lambda device: ((9, 0), "3.7.1", False))
+    monkeypatch.setenv("DUALKV_GDN_BACKEND", "torch")
+    assert gdr._backend(_on_cuda(torch.bfloat16), "auto") == "torch"
+    assert gdr._backend(_on_cuda(torch.bfloat16), "fla") == "fla"  # an explicit choice stands
+    monkeypatch.setenv("DUALKV_GDN_BACKEND", "flash")
+    with pytest.raises(ValueError, match="DUALKV_GDN_BACKEND must be one of .* got 'flash'"):
+        gdr._backend(_on_cuda(torch.bfloat16), "auto")
+
+
 def test_the_torch_backend_keeps_only_its_inputs():
     """Under grad, the chunked PyTorch rule keeps what fla's kernel keeps, its inputs (so the memory
     model's count of a GDN layer holds for both backends); its chunk intermediates, several times

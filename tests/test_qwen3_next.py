@@ -94,3 +94,30 @@ def test_bad_settings_name_what_is_wrong():
     for kwargs in (family.transformer_config_kwargs, family.gpt_model_kwargs):
         with pytest.raises(NotImplementedError, match="YaRN RoPE is supported for qwen3 and qwen3_moe cards, not for qwen3_5_text"):
             kwargs(yarn)
+
+
+def test_the_gated_norm_keeps_only_its_inputs(model):
+    """Its float32 chain (five value-sized float32 tensors a token) is recomputed in the backward,
+    not kept: the forward saves the output o and the gate z alone, and the gradients are the plain
+    chain's, bitwise."""
+    mixer = next(layer.self_attention for layer in model.decoder.layers if model.config.is_linear_attention(
+        layer.layer_number))
+    out, gate = (torch.randn(7, 4, mixer.value_dim, requires_grad=True) for _ in range(2))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        lean = mixer._gated_norm_kept_lean(out, gate)
+    parameters = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
+    kept = {t.untyped_storage().data_ptr() for t in saved} - parameters
+    assert kept == {out.untyped_storage().data_ptr(), gate.untyped_storage().data_ptr()}
+    dy = torch.randn_like(lean)
+    expected = torch.autograd.grad(mixer._gated_norm(out, gate), (out, gate, mixer.norm_weight), dy)
+    for a, b in zip(torch.autograd.grad(lean, (out, gate, mixer.norm_weight), dy), expected):
+        assert torch.equal(a, b)
+
+
+def test_fewer_layers_build_the_cards_first_layers():
+    """num_layers=N (a probe's or a one-layer benchmark's model) keeps the card's first N layer types."""
+    two = build_model(CARD, num_layers=2)
+    assert two.config.layer_types == ("linear_attention", "linear_attention")
+    last = build_model(CARD, num_layers=4, layer_types=("full_attention",) * 4)
+    assert not last.config.is_linear_attention(1)

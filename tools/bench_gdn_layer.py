@@ -1,12 +1,13 @@
 """One Qwen3.5-4B-dimension Gated DeltaNet layer, forward and forward+backward: the packed layout
 with the prompt's state handed to every response, against the replicated layout (each ``[P][R_i]``
-its own sequence from zero state). Both run fla's chunked kernel (``ops.gated_delta_rule``): packed,
-once per tree level (the prompt, then the responses from its final state); replicated, once over
-the N sequences. The layer is the one ``build_model`` makes (``models/qwen3_5-4b.json`` cut to one
+its own sequence from zero state). Both run the chunked rule (``ops.gated_delta_rule``) of each of
+``--backends`` (fla's Triton kernel, the PyTorch one): packed, once per tree level (the prompt, then
+the responses from its final state); replicated, once over the N sequences. The layer is the one ``build_model`` makes (``models/qwen3_5-4b.json`` cut to one
 GDN layer, bf16): input norm, in_proj, the short conv, the rule, the gated norm, out_proj, and the
 MLP; ``mixer`` rows time the GDN token mixer alone.
 
     python tools/bench_gdn_layer.py --out bench/              # N x P x R = 16 x 8192 x 1024 and 32 x 8192 x 512
+    python tools/bench_gdn_layer.py --backends torch --workloads 16x8192x1024   # without fla
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def one_gdn_layer(card_name: str):
     return build_model(ModelCard(f"{card.name}-1-gdn-layer", config), dtype=torch.bfloat16).decoder.layers[0]
 
 
-def run_workload(layer, n: int, p: int, r: int):
+def run_workload(layer, n: int, p: int, r: int, backend: str):
     hidden, device = layer.config.hidden_size, next(layer.parameters()).device
     layout = DualKVLayout((p,), ((r,) * n,)).to(device)
     packed = dict(packed_seq_params=DualKVPackedSeqParams.from_layout(layout))
@@ -46,7 +47,8 @@ def run_workload(layer, n: int, p: int, r: int):
     for part, module in (("layer", layer), ("mixer", layer.self_attention)):
         for name, (shape, kwargs) in shapes.items():
             x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
-            row = dict(workload=f"{n}x{p}x{r}", part=part, layout=name, tokens=shape[0] * shape[1],
+            os.environ["DUALKV_GDN_BACKEND"] = backend
+            row = dict(workload=f"{n}x{p}x{r}", backend=backend, part=part, layout=name, tokens=shape[0] * shape[1],
                        **measure(module, x, **kwargs))
             rows.append(row)
             print(row, flush=True)
@@ -61,24 +63,28 @@ def main():
     add_verbose_flag(parser)
     parser.add_argument("--card", default="qwen3_5-4b")
     parser.add_argument("--workloads", default=WORKLOADS, help="comma list of N x P x R")
+    parser.add_argument("--backends", default="fla,torch", help="comma list of gated delta rule backends")
     parser.add_argument("--out", default="bench")
     args = parser.parse_args()
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
     layer = one_gdn_layer(args.card)
-    rows = [row for w in workloads for row in run_workload(layer, *w)]
+    backends = args.backends.split(",")
+    rows = [row for w in workloads for backend in backends for row in run_workload(layer, *w, backend)]
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gdn_layer.csv")
     print(f"\n{torch.cuda.get_device_name()}, {args.card} GDN layer, bf16; CSV: {path}")
     write_table(rows, path, [
-        ("workload", "workload", "14"), ("part", "part", "6"), ("layout", "layout", "11"), ("tokens", "tokens", "7"),
+        ("workload", "workload", "14"), ("backend", "backend", "7"), ("part", "part", "6"), ("layout", "layout", "11"), ("tokens", "tokens", "7"),
         ("fwd_ms", "fwd ms", "8.2f"), ("fwd_bwd_ms", "fwd+bwd ms", "11.2f"), ("peak_gib", "peak GiB", "9.2f")])
     for (n, p, r) in workloads:
-        for part in ("layer", "mixer"):
-            packed, replicated = (next(row for row in rows if row["workload"] == f"{n}x{p}x{r}" and row["part"] == part
-                                       and row["layout"] == name) for name in ("packed", "replicated"))
-            rho = n * (p + r) / (p + n * r)
-            print(f"{n}x{p}x{r} {part}: packed {replicated['fwd_bwd_ms'] / packed['fwd_bwd_ms']:.2f}x faster fwd+bwd "
-                  f"than replicated (rho = {rho:.2f})")
+        rho = n * (p + r) / (p + n * r)
+        for backend in backends:
+            for part in ("layer", "mixer"):
+                packed, replicated = (next(row for row in rows if row["workload"] == f"{n}x{p}x{r}" and row["part"] == part
+                                           and row["backend"] == backend and row["layout"] == name)
+                                      for name in ("packed", "replicated"))
+                print(f"{n}x{p}x{r} {backend} {part}: packed {replicated['fwd_bwd_ms'] / packed['fwd_bwd_ms']:.2f}x "
+                      f"faster fwd+bwd than replicated (rho = {rho:.2f})")
 
 
 if __name__ == "__main__":

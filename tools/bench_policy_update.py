@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import faulthandler
 import gc
 import json
 import math
@@ -154,6 +155,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="--full-depth: the memory the settings are ranked within, in GiB (default: the device's "
                              f"memory less --memory-margin; the CPU dry run's stand-in: {CPU_BUDGET_GIB:g})")
+    parser.add_argument("--stack-dumps", type=float, default=None, metavar="SECONDS",
+                        help="print every thread's Python stack every SECONDS (to see where a slow step spends them)")
     add_verbose_flag(parser)
     args = parser.parse_args(argv)
     args.layouts = comma_names(parser, "--layouts", args.layouts, LAYOUTS)
@@ -518,6 +521,8 @@ def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> 
     result.recompute, result.recompute_layers = setting.recompute, setting.recompute_layers
     result.recompute_flops = setting.recompute_flops / setting.useful_flops
     result.predicted_gib = setting.predicted_gib
+    # the row prints once every layout has run; say this one's numbers now, for a run cut off later
+    print(f"  measured: {result.step_s:.4g} s a step, {result.mfu:.1%} MFU, peak {result.peak_gib:.1f} GiB", flush=True)
     return result
 
 
@@ -663,6 +668,7 @@ def model_flags(args, name: str, out: Path) -> List[str]:
                  ["--workloads", ",".join("x".join(map(str, w)) for w in args.workloads)] if args.workloads else [])
     flags += ["--budget-gib", str(args.budget_gib)] if args.budget_gib is not None else []
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
+    flags += ["--stack-dumps", str(args.stack_dumps)] if args.stack_dumps else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
         "--agent"] * args.agent + ["--verbose"] * args.verbose
 
@@ -680,6 +686,8 @@ def measure_alone(name: str, args) -> List[Result]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if args.stack_dumps:
+        faulthandler.dump_traceback_later(args.stack_dumps, repeat=True)
     args.memory_margin = DEFAULT_MARGIN if args.memory_margin is None else args.memory_margin
     models, model_names = model_workloads(args), args.model_names
     if len(model_names) > 1:

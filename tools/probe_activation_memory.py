@@ -84,7 +84,8 @@ def main() -> None:
             predicted = layer_activation_bytes(config, 2, current_parallel_sizes(config), mode, "packed", te,
                                                fp8 is not None)
             rows.append(dict(card=card, mode=mode, measured=measured, predicted=predicted,
-                             deviation=100 * (predicted - measured) / measured))
+                             # a CPU dry run's RSS can miss a small layer: no deviation then
+                             deviation=100 * (predicted - measured) / measured if measured > 0 else float("nan")))
     print(f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {args.tokens} tokens, {dtype}, "
           f"spec {spec_label(te, fp8)}")
     os.makedirs(args.out, exist_ok=True)

@@ -45,6 +45,7 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..layout import PackedLayout, TreeLayout
 from ..ops.causal_conv1d import causal_conv1d_func
@@ -131,7 +132,7 @@ class DualKVGatedDeltaNet(MegatronModule):
         q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
                               [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
         out = self._delta_rule(q, k, v, b, a, layout)  # [T, local value heads, Dv]
-        out = self._gated_norm(out, z.reshape(out.shape)).to(hidden_states.dtype)
+        out = self._gated_norm_kept_lean(out, z.reshape(out.shape)).to(hidden_states.dtype)
         out = out.view(batch, seq, -1).transpose(0, 1)
         return self.out_proj(out)
 
@@ -144,6 +145,14 @@ class DualKVGatedDeltaNet(MegatronModule):
         out, _ = gated_delta_rule_func(q, k, v.reshape(tokens, -1, self.value_dim), decay, beta, layout,
                                        qk_l2norm=True)
         return out
+
+    def _gated_norm_kept_lean(self, out: Tensor, gate: Tensor) -> Tensor:
+        """The gated norm, keeping only its inputs: its float32 chain would keep five float32
+        copies of the values per token (80 KiB a token at Qwen3.5-4B's widths, four times out_proj's
+        input), and its backward recomputes them in a few elementwise kernels instead."""
+        if not torch.is_grad_enabled():
+            return self._gated_norm(out, gate)
+        return checkpoint(self._gated_norm, out, gate, use_reentrant=False)
 
     def _gated_norm(self, out: Tensor, gate: Tensor) -> Tensor:
         """RMSNorm over each head's values, times ``norm_weight`` and SiLU of the gate, in float32.

@@ -274,6 +274,9 @@ def build_transformer_config(
     # Megatron's default CUDA-graph scope, "full", is deprecated by Megatron itself (a warning at every
     # config); the empty list it asks for means the same
     kwargs[_CUDA_GRAPH_SCOPE] = []
+    if "num_layers" in overrides and "layer_types" in kwargs and "layer_types" not in overrides:
+        # a num_layers override builds the card's first layers (a probe, a one-layer benchmark)
+        kwargs["layer_types"] = tuple(kwargs["layer_types"][:overrides["num_layers"]])
     kwargs.update(overrides)
     if kwargs.get("fp8") and kwargs.get("bias_activation_fusion"):
         # the fused SwiGLU keeps its input (fc1's output, the layer's largest tensor) in FP8: fc2

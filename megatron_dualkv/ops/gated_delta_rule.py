@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
@@ -113,7 +114,8 @@ def gated_delta_rule_func(
 
     backend: "fla" (CUDA; bf16, fp16 or fp32 inputs), "torch" (``torch_chunk_varlen``, any device
     and float dtype), "reference", or "auto": on CUDA fla when it is installed, usable on this GPU
-    and Triton (``fla_usable``) and takes the dtype, else torch (the CPU too).
+    and Triton (``fla_usable``) and takes the dtype, else torch (the CPU too). The environment
+    variable ``DUALKV_GDN_BACKEND`` (one of the others) overrides what "auto" picks.
     """
     backend = _backend(q, backend)
     if q.dim() == 3 and v.dim() == 3 and v.shape[1] % q.shape[1]:
@@ -348,6 +350,12 @@ def run_by_level(run: VarlenRule, q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
 def _backend(q: Tensor, backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    chosen = os.environ.get("DUALKV_GDN_BACKEND", "auto")
+    if backend == "auto" and chosen != "auto":
+        # a whole run's choice (benchmarks, or a stack whose fla is known to be slow or broken)
+        if chosen not in BACKENDS:
+            raise ValueError(f"DUALKV_GDN_BACKEND must be one of {BACKENDS}, got {chosen!r}")
+        return _backend(q, chosen)
     if backend == "auto":
         # the chunked PyTorch form is exact too (float64 in, float64 math) and an order of magnitude
         # faster than the token loop on a CPU; the reference stays the tests' oracle
