@@ -161,6 +161,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--verbose", action="store_true",
                        help="also show Megatron-Core's notices that Transformer Engine and Apex are not installed and "
                             "its deprecations (megatron_dualkv.notices)")
+    # where --recompute/--max-tokens auto find prefix reuse's prompt fits only with its activations on the host
+    parser.set_defaults(prompt_on_host=False)
     args = parser.parse_args(argv)
     for problem in _flag_problems(args):
         parser.error(problem)
@@ -372,18 +374,32 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
             if replicated and args.recompute == args.max_tokens == AUTO:
                 fit = _largest_cheap_fit(memory, budget, need, multiple=multiple, **shape)
             else:
-                fit = memory.fit(budget, need, multiple=multiple, **setting, **shape,
-                                 held_prompt_tokens=held_prompt(args, groups, need))
+                fit = _fit_holding_prompt(memory, budget, need, held_prompt(args, groups, need), multiple=multiple,
+                                          **setting, **shape)
             break
         except ValueError as err:
             problem = err
     else:
         raise InputError(str(problem))
     args.recompute, args.recompute_layers = fit.recompute, fit.recompute_layers
+    args.prompt_on_host = fit.prompt_on_host
     if args.max_tokens == AUTO:
         args.max_tokens = fit.tokens
     return memory.fit_at(args.max_tokens, fit.recompute, fit.recompute_layers, **shape,
-                         held_prompt_tokens=held_prompt(args, groups, args.max_tokens))
+                         held_prompt_tokens=held_prompt(args, groups, args.max_tokens),
+                         prompt_on_host=fit.prompt_on_host)
+
+
+def _fit_holding_prompt(memory: MemoryModel, budget: float, need: int, held: int, **kwargs) -> Fit:
+    """``memory.fit`` for micro-batches beside prefix reuse's held prompt of ``held`` tokens; where
+    none fits with the prompt's activations on the GPU, with them on the host (the copies cost a
+    prompt's activations over PCIe twice a step, far less than carrying the prompt in sub-groups)."""
+    try:
+        return memory.fit(budget, need, held_prompt_tokens=held, **kwargs)
+    except ValueError:
+        if not held:
+            raise
+    return memory.fit(budget, need, held_prompt_tokens=held, prompt_on_host=True, **kwargs)
 
 
 def held_prompt(args: argparse.Namespace, groups: List[Rollout], max_tokens: int) -> int:
@@ -594,6 +610,8 @@ def _build_or_load_model(args: argparse.Namespace):
     """--model: a converted Megatron checkpoint folder (its weights, ``load_model``) or a card (random weights)."""
     # the reference policy runs forward only: recompute is the policy's alone
     kwargs = dict(_model_kwargs(args), recompute=args.recompute, recompute_layers=args.recompute_layers)
+    if args.prompt_on_host:
+        kwargs["prefix_reuse_prompt_on_host"] = True
     try:
         if Path(args.model).is_dir():
             return load_model(args.model, **kwargs)

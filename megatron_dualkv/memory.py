@@ -26,6 +26,7 @@ both backends (PERF_NOTES.md, session 28).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -39,6 +40,7 @@ from .planner import moe_layer_flags
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.08  # of the device's memory: the allocator's fragmentation and what it does not count
+HOST_SHARE = 0.5  # of the machine's memory, for pinned prompt activations (the rest: the data, the OS, the CPU copy of a checkpoint)
 GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations
 
 
@@ -392,6 +394,7 @@ class MemoryEstimate:
     """Predicted bytes of one rank, by part (``parts``: name -> bytes)."""
 
     parts: Dict[str, float]
+    host: float = 0.0  # pinned host memory beside it (prefix reuse's prompt activations on the host)
 
     @property
     def total(self) -> float:
@@ -402,7 +405,9 @@ class MemoryEstimate:
         return self.total / GIB
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {value / GIB:.1f}" for name, value in self.parts.items()) + f" = {self.total_gib:.1f} GiB"
+        host = f", and {self.host / GIB:.1f} GiB on the host" if self.host else ""
+        return (", ".join(f"{name} {value / GIB:.1f}" for name, value in self.parts.items())
+                + f" = {self.total_gib:.1f} GiB" + host)
 
 
 @dataclass(frozen=True)
@@ -530,12 +535,20 @@ class MemoryModel:
         return transient
 
     def held_prompt_bytes(self, prompt_tokens: int, mode: str, recompute_layers: Optional[int] = None,
-                          pp_rank: int = 0) -> float:
+                          pp_rank: int = 0, prompt_on_host: bool = False) -> float:
         """What prefix reuse (``rl.prefix_reuse``) keeps beside the activations while a group's parts
         run: per layer, the gradients its parts accumulate for the held prompt K/V, and copies of
         what the prompt's layer does not keep itself: its keys where selective recompute frees them
         (``recompute_qk_norm_rope``), its keys and values where the layer is recomputed whole (else
-        the held K/V are views of what its attention keeps, counted in the activations)."""
+        the held K/V are views of what its attention keeps, counted in the activations). With the
+        prompt's activations on the host, every layer's held K/V count: nothing else keeps them."""
+        rows = {"none": 2, "selective": 3, "full": 4}
+        return self._held_rows_bytes(prompt_tokens, lambda layer_mode: 4 if prompt_on_host else rows[layer_mode],
+                                     mode, recompute_layers, pp_rank)
+
+    def _held_rows_bytes(self, prompt_tokens: int, rows_of: Callable[[str], int], mode: str,
+                         recompute_layers: Optional[int], pp_rank: int) -> float:
+        """``rows_of(layer mode)`` rows of the prompt's K/V shape per layer."""
         config = self.config
         element = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
         total = 0.0
@@ -544,21 +557,52 @@ class MemoryModel:
                 # Gemma's full-attention layers hold their own heads and head dim
                 layer = _layer_config(config, number)
                 row = max(1, layer.num_query_groups // self.sizes.tp) * layer.kv_channels * element * prompt_tokens
-                total += row * {"none": 2, "selective": 3, "full": 4}[layer_mode]
+                total += row * rows_of(layer_mode)
         return total
+
+    def _prompt_on_host_peak(self, tokens: int, rows: int, recompute: str, recompute_layers: Optional[int],
+                             num_micro_batches: int, pp_rank: int, layout: str, held: int) -> MemoryEstimate:
+        """Prefix reuse with the prompt's saved activations on the host (``prefix_reuse_prompt_on_host``):
+        the larger of two phases. While the parts run, a part's own activations and backward beside the
+        held K/V and their gradients; in the prompt's one backward, a layer's backward at the prompt's
+        length with that layer's saved tensors back from the host, beside the held gradients (the held
+        copies are dropped by then, and each layer's gradient once used)."""
+        static = dict(self.static_parts(pp_rank))
+        part_tokens = max(tokens - held, 1)
+        per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
+        parts = {**static,
+                 "activations": (per_token * part_tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank))
+                 * self.in_flight_micro_batches(num_micro_batches, pp_rank),
+                 "transient": self.transient_bytes(part_tokens, min(rows, part_tokens), recompute, recompute_layers,
+                                                   pp_rank, layout),
+                 "held prompt": self.held_prompt_bytes(held, recompute, recompute_layers, pp_rank, prompt_on_host=True)}
+        layers = [(n, m) for chunk in chunk_layers(self.config, self.sizes, pp_rank)
+                  for n, m in zip(chunk, layer_modes(recompute, recompute_layers, chunk))]
+        one_layer = max(layer_activation_bytes(self.config, n, self.sizes, m, layout, *self._spec) for n, m in layers)
+        backward = {**static,
+                    "activations": one_layer * held,
+                    "transient": self.transient_bytes(held, 1, recompute, recompute_layers, pp_rank, layout),
+                    "held prompt": self._held_rows_bytes(held, lambda layer_mode: 2, recompute, recompute_layers,
+                                                         pp_rank)}
+        on_host = per_token * held  # what the prompt's forward saves, all of it copied out
+        return max(MemoryEstimate(parts, on_host), MemoryEstimate(backward, on_host), key=lambda estimate: estimate.total)
 
     # ---------------------------------------------------------------- totals
     def predict(self, tokens: int, predicting_rows: Optional[int] = None, recompute: str = "none",
                 recompute_layers: Optional[int] = None, num_micro_batches: int = 1, pp_rank: int = 0,
-                layout: str = "packed", held_prompt_tokens: int = 0) -> MemoryEstimate:
+                layout: str = "packed", held_prompt_tokens: int = 0, prompt_on_host: bool = False) -> MemoryEstimate:
         """Peak of pipeline rank ``pp_rank`` when every micro-batch has ``tokens`` tokens (the packed
         count before the TP/CP split; replicated: the padded batch's tokens) of which
         ``predicting_rows`` (default: all) predict a trained token. ``held_prompt_tokens``: the
         longest prompt that prefix reuse holds (its part's ``tokens`` count it, as a sub-group's
         would: its activations stay alive while the parts run), whose ``held_prompt_bytes`` add a
-        part "held prompt"."""
+        part "held prompt"; ``prompt_on_host``: its activations wait on the host instead
+        (``_prompt_on_host_peak``)."""
         _check_recompute(recompute, recompute_layers, self._min_chunk_layers())
         rows = tokens if predicting_rows is None else predicting_rows
+        if held_prompt_tokens and prompt_on_host:
+            return self._prompt_on_host_peak(tokens, rows, recompute, recompute_layers, num_micro_batches, pp_rank,
+                                             layout, held_prompt_tokens)
         parts = dict(self.static_parts(pp_rank))
         per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
         per_micro_batch = per_token * tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank)
@@ -584,15 +628,17 @@ class MemoryModel:
     def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
             recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
             layout: str = "packed", multiple: int = 1,
-            micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None, held_prompt_tokens: int = 0) -> "Fit":
+            micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None, held_prompt_tokens: int = 0,
+            prompt_on_host: bool = False, host_budget_bytes: Optional[float] = None) -> "Fit":
         """The least recompute (``recompute`` None: the first of ``recompute_ladder``; else the one given)
         under which a micro-batch of ``min_tokens`` fits ``budget_bytes``, and the most tokens (a multiple
         of ``multiple``, at least ``min_tokens``) it fits. ``predicting_fraction``: the share of the tokens
         that predict a trained token. ``micro_batch``: when the tokens are the packed-token budget of
         ``plan_micro_batches`` rather than a micro-batch's tokens on ``layout`` (the launch script plans
         the replicated layout's micro-batches by packed tokens), the largest micro-batch that a budget
-        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ``held_prompt_tokens``: as in
-        ``predict`` (prefix reuse's longest held prompt). ValueError when even the last setting
+        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ``held_prompt_tokens``,
+        ``prompt_on_host``: as in ``predict`` (prefix reuse's longest held prompt); a setting fits only where
+        what it puts on the host fits ``host_budget_bytes`` too (default ``host_budget()``). ValueError when even the last setting
         does not fit ``min_tokens``, naming the budget and that setting's peak.
         """
         ladder = self.recompute_ladder() if recompute is None else [(recompute, recompute_layers)]
@@ -600,13 +646,19 @@ class MemoryModel:
 
         def fit_at(n: int, setting) -> Fit:
             return self.fit_at(n, *setting, num_micro_batches=num_micro_batches, layout=layout, micro_batch=micro_batch,
-                               held_prompt_tokens=held_prompt_tokens)
+                               held_prompt_tokens=held_prompt_tokens, prompt_on_host=prompt_on_host)
 
+        host_budget_bytes = host_budget() if host_budget_bytes is None else host_budget_bytes
         for setting in ladder:
-            if fit_at(min_tokens, setting).estimate.total <= budget_bytes:
+            least = fit_at(min_tokens, setting).estimate
+            if least.total <= budget_bytes and least.host <= host_budget_bytes:
                 most = self._most_tokens(lambda n: fit_at(n, setting).estimate.total, budget_bytes, multiple, min_tokens)
                 return fit_at(most, setting)
         last = fit_at(min_tokens, ladder[-1])
+        if last.estimate.host > host_budget_bytes:
+            raise ValueError(f"the held prompt's activations need {last.estimate.host / GIB:.1f} GiB of pinned host "
+                             f"memory with {ladder[-1][0]} recompute, over the host budget of "
+                             f"{host_budget_bytes / GIB:.1f} GiB")
         raise ValueError(
             f"a micro-batch of {last.micro_batch_tokens:,} tokens"
             + ("" if last.micro_batch_tokens == min_tokens else f" on the {layout} layout (planned with {min_tokens:,})")
@@ -617,13 +669,14 @@ class MemoryModel:
 
     def fit_at(self, tokens: int, recompute: str, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
                layout: str = "packed", micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None,
-               held_prompt_tokens: int = 0) -> "Fit":
+               held_prompt_tokens: int = 0, prompt_on_host: bool = False) -> "Fit":
         """The ``Fit`` of one setting at ``tokens`` (``fit``'s arguments; ``micro_batch`` None: all rows
         predict), whether it fits or not: what a run with that setting is predicted to take."""
         layout_tokens, rows = (tokens, tokens) if micro_batch is None else micro_batch(tokens)
         estimate = self.peak(layout_tokens, rows, recompute, recompute_layers, num_micro_batches, layout=layout,
-                             held_prompt_tokens=held_prompt_tokens)
-        return Fit(recompute, recompute_layers, tokens, estimate, layout, layout_tokens)
+                             held_prompt_tokens=held_prompt_tokens, prompt_on_host=prompt_on_host)
+        return Fit(recompute, recompute_layers, tokens, estimate, layout, layout_tokens,
+                   prompt_on_host and held_prompt_tokens > 0)
 
     @staticmethod
     def _most_tokens(peak_of, budget: float, multiple: int, least: int) -> int:
@@ -651,13 +704,23 @@ class Fit:
     estimate: MemoryEstimate
     layout: str
     micro_batch_tokens: int  # of the largest micro-batch, in ``layout``
+    prompt_on_host: bool = False  # prefix reuse's held prompt keeps its activations on the host
 
     def describe(self) -> str:
         layers = "" if self.recompute_layers is None else f" + {self.recompute_layers} full layer(s) per stage"
+        layers += ", the held prompt's activations on the host" if self.prompt_on_host else ""
         micro_batch = (f"micro-batch {self.tokens:,} {self.layout} tokens" if self.micro_batch_tokens == self.tokens else
                        f"micro-batches planned with {self.tokens:,} packed tokens, the largest {self.micro_batch_tokens:,} "
                        f"{self.layout} tokens")
         return f"layout {self.layout}, recompute {self.recompute}{layers}, {micro_batch}, predicted peak {self.estimate.describe()}"
+
+
+def host_budget(share: float = HOST_SHARE) -> float:
+    """Pinned host memory one rank may take for prefix reuse's prompt activations: ``share`` of the
+    machine's memory over the ranks on it (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    import psutil
+
+    return psutil.virtual_memory().total * share / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def device_budget(device=None, margin: float = DEFAULT_MARGIN) -> float:

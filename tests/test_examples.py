@@ -558,6 +558,33 @@ def test_bench_reuse_predicts_what_the_launch_script_does(script, bench):
     assert fit.estimate.total_gib < best.predicted_gib
 
 
+def test_a_prompt_too_long_to_hold_resident_waits_on_the_host(script, bench, monkeypatch):
+    """Qwen3-4B (YaRN) at 16 x 131,072 x 4,096 on an H200 less 8%: no prefix-reuse part fits with the
+    prompt's activations on the GPU; --recompute/--max-tokens auto put them on the host (64 GiB of
+    it), as the benchmark ranks it, and the policy is built so."""
+    import megatron_dualkv.memory as memory_module
+
+    monkeypatch.setattr(memory_module, "host_budget", lambda: 64 * GIB)
+    n, p, r = 16, 131072, 4096
+    group, budget = bench.rollout_group(n, p, r, 64, seed=n), 0.92 * 140.4 * GIB
+    args = script.parse_args(["--model", "qwen3-4b-131k", "--recompute", "auto", "--max-tokens", "auto",
+                              "--global-batch-size", "1"])
+    args.prefix_reuse = True  # as resolve_prefix_reuse leaves it
+    fit = script.fit_within(args, [group], budget)
+    assert args.prompt_on_host and fit.prompt_on_host and fit.estimate.total <= budget
+    assert 0 < fit.estimate.host <= 64 * GIB
+    assert "the held prompt's activations on the host" in fit.describe() and "on the host" in fit.estimate.describe()
+    memory = MemoryModel.for_card("qwen3-4b-131k")
+    with pytest.raises(ValueError):
+        memory.fit(budget, p + r, r / (p + r), held_prompt_tokens=p)  # resident: none fits
+    best = bench.candidate_settings(memory, CostModel.from_config(memory.config, memory.vocab_size), budget, (n, p, r),
+                                    "reuse")[0]
+    assert best.prompt_on_host and best.responses < n
+    tiny = bench.policy_args("qwen3-tiny", SimpleNamespace(dtype="float32", device="cpu", transformer_engine="off",
+                                                           fp8="off"), prompt_on_host=True)
+    assert script._build_or_load_model(tiny).config.prefix_reuse_prompt_on_host
+
+
 def test_bench_full_depth_prefix_reuse_dry_run(bench, tmp_path, monkeypatch, capsys):
     """--layouts packed,reuse,replicated on the tiny card, a budget under which the whole group fits
     only with full recompute: the reuse row runs the group in prefix-reuse parts, its speedup over the

@@ -182,14 +182,14 @@ def test_the_planning_table_fits_every_layout(capsys):
 
     # --prefix-reuse on a tiny card: a budget under which the whole group needs full recompute
     group, budget = (4, 96, 24), 2.8e6
-    row = tool.plan_prefix_reuse("qwen3-tiny", "1x1x1x1", 1, group, budget, 1)
+    row = tool.plan_prefix_reuse("qwen3-tiny", "1x1x1x1", 1, group, budget, 1, host_budget=0.0)
     assert row["whole"].startswith("full, ") and row["runs"] == "yes"
     # the least recompute first: parts of one response need none, with the prompt held or not
     memory = MemoryModel.for_card("qwen3-tiny")
     assert memory.peak(96 + 2 * 24, 2 * 24, "none", held_prompt_tokens=96).total > budget
     assert memory.peak(96 + 24, 24, "none", held_prompt_tokens=96).total <= budget
     assert row["sub_groups"].startswith("none, 1 resp, ") and row["reuse"].startswith("none, 1 resp, ")
-    assert tool.plan_prefix_reuse("qwen3-tiny", "1x2x1x1", 2, group, 1e-3 * GIB, 1) == dict(
+    assert tool.plan_prefix_reuse("qwen3-tiny", "1x2x1x1", 2, group, 1e-3 * GIB, 1, host_budget=0.0) == dict(
         card="qwen3-tiny", layout="tp1 pp2 ep1 cp1 dp1", whole="does not fit", sub_groups="does not fit",
         reuse="does not fit", runs="not yet: pp > 1")
     tool.main(["--prefix-reuse", "--card", "qwen3-tiny", "--layouts", "1x1x1x1,1x1x1x2", "--gpus", "2"])

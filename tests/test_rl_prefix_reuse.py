@@ -357,3 +357,57 @@ def test_planned_tree_step_equals_the_one_micro_batch_step(model):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-14)
     for name, grad in results[1][1].items():
         torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("recompute", [None, "full"], ids=["no recompute", "full recompute"])
+def test_prompt_activations_on_the_host_give_the_same_step(monkeypatch, recompute):
+    """``prefix_reuse_prompt_on_host``: the prompt's forward saves through ``save_on_cpu`` (the parts'
+    forwards do not), and the step is still the one-micro-batch step."""
+    real, entered = torch.autograd.graph.save_on_cpu, []
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", lambda **kwargs: entered.append(kwargs) or real(**kwargs))
+    model = build_model("qwen3-tiny", recompute=recompute, prefix_reuse_prompt_on_host=True).double()
+    assert_equal_steps(model, "grpo", PARTS)
+    assert len(entered) == 1
+
+
+def test_the_prompt_backward_drops_the_held_copies_and_each_gradient_once_used(model, monkeypatch):
+    """The prompt's backward starts without the held K/V (read no more) and frees each layer's
+    accumulated gradient as that layer's backward adds it: what the memory model's backward phase
+    counts."""
+    from megatron_dualkv.rl import prefix_reuse
+
+    seen, real = [], prefix_reuse.HeldPrompt.add_held_gradients
+
+    def spy(self, layer, dk, dv):
+        seen.append((layer, len(self.kv), len(self.grads)))
+        return real(self, layer, dk, dv)
+
+    monkeypatch.setattr(prefix_reuse.HeldPrompt, "add_held_gradients", spy)
+    _, split = whole_and_parts(model, PARTS)
+    step(model, split, GRPOLoss(clip_eps=0.2, kl_coef=0.05))
+    layers = model.config.num_layers
+    assert seen == [(layer, 0, layer) for layer in range(layers, 0, -1)]
+
+
+def test_memory_model_with_the_prompt_on_the_host():
+    """The larger of two phases: a part beside the held K/V and their gradients (4 rows a layer), or
+    the prompt's backward at its length beside the gradients alone (2 rows); the prompt's saved
+    activations count on the host, and a setting whose host share is over budget does not fit."""
+    from megatron_dualkv.memory import MemoryModel
+
+    memory = MemoryModel.for_card("qwen3-tiny", dtype=torch.bfloat16)
+    config = memory.config
+    per_row = config.num_layers * config.num_query_groups * config.kv_channels * 2 * 1000
+    on_host = memory.predict(1060, 60, recompute="full", held_prompt_tokens=1000, prompt_on_host=True)
+    assert on_host.host == memory.activation_bytes_per_token("full") * 1000
+    assert on_host.parts["held prompt"] in (4 * per_row, 2 * per_row)
+    part_alone = memory.predict(60, 60, recompute="full")
+    assert on_host.total >= part_alone.total + 4 * per_row
+    resident = memory.predict(1060, 60, recompute="none", held_prompt_tokens=1000)
+    assert memory.predict(1060, 60, recompute="none", held_prompt_tokens=1000, prompt_on_host=True).total < resident.total
+    fits = dict(budget_bytes=on_host.total, min_tokens=1060, predicting_fraction=60 / 1060, recompute="full",
+                held_prompt_tokens=1000, prompt_on_host=True)
+    assert memory.fit(**fits, host_budget_bytes=on_host.host).prompt_on_host
+    with pytest.raises(ValueError, match=r"the held prompt's activations need .* GiB of pinned host memory with full "
+                                         r"recompute, over the host budget of"):
+        memory.fit(**fits, host_budget_bytes=on_host.host - 1)

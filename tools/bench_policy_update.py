@@ -40,10 +40,11 @@ that has Transformer Engine. #41's prompts need the ``qwen3-4b-131k`` card (Qwen
 qwen3-4b stops at 40,960 positions; 131,072 + 4,096 passes even YaRN's 131,072). Time and memory
 on one H200 (the memory and cost models, 8% margin): at 16 x 65,536 x 2,048 the whole group fits with selective recompute and 33 layers recomputed whole,
 prefix reuse ranks parts of 2 responses (32 layers) first, 1.3e16 FLOPs a step each (tens of
-seconds); the replicated layout 1.1e17 (minutes). At 16 x 131,072 x 4,096 no prefix-reuse setting
-fits (the held prompt's K/V copies and their gradients, 36 GiB under full recompute, beside the
-125 GiB of the split's 4 sub-groups), and the split takes 1.2e17 FLOPs a step, the replicated
-layout 4e17: measure those one layout per call, or not at all within a 10-minute limit.
+seconds); the replicated layout 1.1e17 (minutes). At 16 x 131,072 x 4,096 a prefix-reuse part
+fits only with the prompt's saved activations on the host (``prefix_reuse_prompt_on_host``: parts of
+8 responses, selective recompute and 31 layers whole, 126 GiB, 62 GiB on the host), and the split
+takes 1.2e17 FLOPs a step, the replicated layout 4e17: measure those one layout per call, or not at
+all within a 10-minute limit. A row's recompute says ", prompt on host" where it ran so.
 
 ``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
 theirs, with the matmul rate of their own run) and redraws its PNG.
@@ -213,6 +214,7 @@ class Result:
     workload: str = "group"  # "group": one prompt and N responses; "agent": --agent's trajectories
     spec: str = "local"  # the layer spec, as the launch script's first line names it
     max_tokens: int = 0  # the step's micro-batch budget in packed tokens: the launch script's --max-tokens for this row
+    prompt_on_host: bool = False  # reuse: the held prompt's activations waited on the host
 
     @property
     def name(self) -> str:
@@ -353,12 +355,14 @@ def busy_seconds(spans) -> float:
     return busy / 1e6
 
 
-def policy_args(card: Path, args, recompute: str = "none", recompute_layers: int = 0):
+def policy_args(card: Path, args, recompute: str = "none", recompute_layers: int = 0, prompt_on_host: bool = False):
     layers = ["--recompute-layers", str(recompute_layers)] if recompute_layers else []
-    return policy_update.parse_args([
+    policy = policy_update.parse_args([
         "--model", str(card), "--dtype", args.dtype, "--lr", "1e-6", "--clip-grad", "0" if args.device == "cpu" else "1.0",
         "--recompute", recompute, *layers, "--transformer-engine", args.transformer_engine, "--fp8", args.fp8,
     ])
+    policy.prompt_on_host = prompt_on_host  # as the launch script's fit_within sets it
+    return policy
 
 
 def bench_model(card: Path, layers: int, workloads, args, peak_tflops: float) -> List[Result]:
@@ -386,6 +390,7 @@ class Setting:
     predicted_gib: float
     useful_flops: float  # the step's forward passes (STEP_PASSES) of the layout, without recompute
     recompute_flops: float  # what recompute adds
+    prompt_on_host: bool = False  # reuse: the held prompt's activations wait on the host
 
     @property
     def executed_flops(self) -> float:
@@ -418,20 +423,32 @@ def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, work
         tokens = k * (p + r) if layout == "replicated" else p + k * r
         shape = dict(num_micro_batches=len(mbs), layout="replicated" if layout == "replicated" else "packed",
                      held_prompt_tokens=p if layout == "reuse" and k < n else 0)
-        try:
-            fit = memory.fit(budget, tokens, predicting_fraction=k * r / tokens, **shape)
-        except ValueError:
+        fit = _fit_or_none(memory, budget, tokens, k * r / tokens, shape)
+        if fit is None:
             k //= 2
             continue
         recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
-        prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, **shape)
+        prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, **shape,
+                                 prompt_on_host=fit.prompt_on_host)
         settings.append(Setting(
             k, fit.recompute, fit.recompute_layers or 0, prediction.total_gib,
             useful_flops=sum(STEP_PASSES * cost.layout_flops(mb, predicting_rows=rows) for mb, rows in mbs),
             recompute_flops=sum(recomputed * cost.layer_flops(mb, layers) for mb, _ in mbs),
+            prompt_on_host=fit.prompt_on_host,
         ))
         k //= 2
     return sorted(settings, key=lambda s: (s.executed_flops, -s.responses))
+
+
+def _fit_or_none(memory: MemoryModel, budget: float, tokens: int, predicting_fraction: float, shape):
+    """``memory.fit``, for reuse with the held prompt's activations on the host where only that fits
+    (as the launch script's ``fit_within``); None where nothing fits."""
+    for prompt_on_host in (False, True) if shape["held_prompt_tokens"] else (False,):
+        try:
+            return memory.fit(budget, tokens, predicting_fraction, **shape, prompt_on_host=prompt_on_host)
+        except ValueError:
+            pass
+    return None
 
 
 class PolicyCache:
@@ -441,12 +458,13 @@ class PolicyCache:
     def __init__(self, card: str, args):
         self.card, self.args, self.key, self.policy = card, args, None, None
 
-    def get(self, recompute: str, recompute_layers: int):
-        if self.key != (recompute, recompute_layers):
+    def get(self, recompute: str, recompute_layers: int, prompt_on_host: bool = False):
+        if self.key != (recompute, recompute_layers, prompt_on_host):
             self.policy = None
             free_memory()
-            self.policy = policy_update.build_policy(policy_args(self.card, self.args, recompute, recompute_layers))
-            self.key = (recompute, recompute_layers)
+            self.policy = policy_update.build_policy(policy_args(self.card, self.args, recompute, recompute_layers,
+                                                                 prompt_on_host))
+            self.key = (recompute, recompute_layers, prompt_on_host)
         return self.policy
 
 
@@ -491,8 +509,8 @@ def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel
     workload = (result.n, result.p, result.r)
     for setting in candidate_settings(memory, cost, budget, workload, result.layout):
         # no local name for the policy: the next setting's rebuild frees it
-        steps = steps_that_fit(policies.get(setting.recompute, setting.recompute_layers), group, result.layout,
-                               result.p + setting.responses * result.r, repeats,
+        steps = steps_that_fit(policies.get(setting.recompute, setting.recompute_layers, setting.prompt_on_host), group,
+                               result.layout, result.p + setting.responses * result.r, repeats,
                                f"{result.model} {result.layout} {workload}: {setting}")
         if steps is not None:
             return measured_at(result, setting, steps, peak_tflops)
@@ -519,6 +537,7 @@ def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> 
     """``measured`` with the setting's recompute and the memory model's peak."""
     measured(result, setting.responses, steps, peak_tflops)
     result.recompute, result.recompute_layers = setting.recompute, setting.recompute_layers
+    result.prompt_on_host = setting.prompt_on_host
     result.recompute_flops = setting.recompute_flops / setting.useful_flops
     result.predicted_gib = setting.predicted_gib
     # the row prints once every layout has run; say this one's numbers now, for a run cut off later
@@ -592,7 +611,8 @@ COLUMNS = ["model", "spec", "N", "P", "R", "layout", "mb resp", "mb tokens", "--
 
 
 def row(result: Result) -> str:
-    recompute = result.recompute + (f"+{result.recompute_layers}" if result.recompute_layers else "")
+    recompute = (result.recompute + (f"+{result.recompute_layers}" if result.recompute_layers else "")
+                 + (", prompt on host" if result.prompt_on_host else ""))
     cells = [result.model, result.spec, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
              result.micro_batch_tokens, result.max_tokens, result.micro_batches, recompute, f"{result.step_s:.4g}",
              f"{result.tokens_per_s:,.0f}", f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%",
@@ -604,7 +624,7 @@ def row(result: Result) -> str:
 def read_results(path: Path) -> List[Result]:
     """The rows of a CSV that ``write_csv`` wrote."""
     types = {f.name: f.type for f in fields(Result)}
-    cast = {"str": str, "int": int, "float": float}
+    cast = {"str": str, "int": int, "float": float, "bool": lambda text: text == "True"}
     with path.open(newline="") as f:
         return [Result(**{k: cast[types[k]](v) for k, v in row.items()}) for row in csv.DictReader(f)]
 

@@ -34,6 +34,7 @@ from megatron_dualkv.mcore import plan_parallel  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel  # noqa: E402
 
 H200_GIB = 143771 / 1024  # what torch reports of an H200's memory
+HOST_GIB = 64  # host memory per GPU for pinned prompt activations: half of a machine with 128 GiB per GPU
 PLANS = {
     "qwen3-30b-a3b": ["1x1x8x1", "2x1x4x1", "1x2x4x1"],
     "gemma4-31b": ["8x1x1x1", "2x4x1x1", "1x8x1x1"],
@@ -55,7 +56,8 @@ def layout_name(parallel) -> str:
 
 
 def recompute_name(fit) -> str:
-    return fit.recompute + (f"+{fit.recompute_layers}" if fit.recompute_layers else "")
+    return (fit.recompute + (f"+{fit.recompute_layers}" if fit.recompute_layers else "")
+            + (", prompt on host" if fit.prompt_on_host else ""))
 
 
 def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches: int) -> dict:
@@ -71,28 +73,36 @@ def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches:
                 activations=parts["activations"] / GIB)
 
 
-def least_recompute(memory: MemoryModel, budget: float, group, k: int, micro_batches: int, held_prompt: bool):
+def least_recompute(memory: MemoryModel, budget: float, group, k: int, micro_batches: int, held_prompt: bool,
+                    host_budget: float = 0.0):
     """(the least recompute under which a micro-batch of the prompt and k responses fits, its peak in
-    GiB), with the prompt held beside it (prefix reuse) or not; None when none fits."""
+    GiB), with the prompt held beside it (prefix reuse) or not; None when none fits. A held prompt's
+    activations may wait in ``host_budget`` bytes of host memory where only that fits."""
     n, p, r = group
     tokens = p + k * r
     held = p if held_prompt else 0
-    try:
-        fit = memory.fit(budget, tokens, k * r / tokens, num_micro_batches=micro_batches, held_prompt_tokens=held)
-    except ValueError:
-        return None
-    peak = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, micro_batches, held_prompt_tokens=held)
-    return fit, peak.total_gib
+    # prefix reuse: with the prompt's activations on the host where only that fits (as the launch script plans)
+    for on_host in (False, True) if held else (False,):
+        try:
+            fit = memory.fit(budget, tokens, k * r / tokens, num_micro_batches=micro_batches, held_prompt_tokens=held,
+                             prompt_on_host=on_host, host_budget_bytes=host_budget)
+        except ValueError:
+            continue
+        peak = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, micro_batches, held_prompt_tokens=held,
+                           prompt_on_host=on_host)
+        return fit, peak.total_gib
+    return None
 
 
-def best_split(memory: MemoryModel, budget: float, group, micro_batches: int, held_prompt: bool) -> str:
+def best_split(memory: MemoryModel, budget: float, group, micro_batches: int, held_prompt: bool,
+               host_budget: float = 0.0) -> str:
     """The part size (k = N/2, N/4, ..., 1 responses) with the least recompute that fits (ties: the
     largest k), as "recompute, k resp, peak"; "does not fit" when no part does."""
     ladder = memory.recompute_ladder()
     fits = []
     k = group[0] // 2
     while k >= 1:
-        found = least_recompute(memory, budget, group, k, micro_batches, held_prompt)
+        found = least_recompute(memory, budget, group, k, micro_batches, held_prompt, host_budget)
         if found is not None:
             fits.append((ladder.index((found[0].recompute, found[0].recompute_layers)), -k, found))
         k //= 2
@@ -102,7 +112,8 @@ def best_split(memory: MemoryModel, budget: float, group, micro_batches: int, he
     return f"{recompute_name(fit)}, {-k} resp, {peak:.1f} GiB"
 
 
-def plan_prefix_reuse(card: str, layout: str, gpus: int, group, budget: float, micro_batches: int) -> dict:
+def plan_prefix_reuse(card: str, layout: str, gpus: int, group, budget: float, micro_batches: int,
+                      host_budget: float) -> dict:
     """``--prefix-reuse``'s row: the group in one micro-batch, in sub-groups, in prefix-reuse parts."""
     parallel, memory = layout_memory(card, layout, gpus)
     whole = least_recompute(memory, budget, group, group[0], micro_batches, held_prompt=False)
@@ -111,7 +122,7 @@ def plan_prefix_reuse(card: str, layout: str, gpus: int, group, budget: float, m
     return dict(card=card, layout=layout_name(parallel),
                 whole="does not fit" if whole is None else f"{recompute_name(whole[0])}, {whole[1]:.1f} GiB",
                 sub_groups=best_split(memory, budget, group, micro_batches, held_prompt=False),
-                reuse=best_split(memory, budget, group, micro_batches, held_prompt=True),
+                reuse=best_split(memory, budget, group, micro_batches, held_prompt=True, host_budget=host_budget),
                 runs="yes" if not missing else "not yet: " + ", ".join(f"{name} > 1" for name in missing))
 
 
@@ -126,6 +137,8 @@ def main(argv=None) -> None:
                         help="micro-batches per step and DP rank (how many a pipeline stage holds at once: 1F1B)")
     parser.add_argument("--gpu-gib", type=float, default=H200_GIB)
     parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of the GPU's memory left free")
+    parser.add_argument("--host-gib", type=float, default=HOST_GIB,
+                        help="--prefix-reuse: pinned host memory per GPU for a held prompt's activations")
     parser.add_argument("--prefix-reuse", action="store_true",
                         help="instead: the group in one micro-batch, in sub-groups and in prefix-reuse parts (docstring)")
     parser.add_argument("--out", default=None)
@@ -136,14 +149,16 @@ def main(argv=None) -> None:
     group = tuple(int(x) for x in args.group.split("x"))
     budget = args.gpu_gib * GIB * (1 - args.margin)
     csv_path = os.path.join(args.out, "plan_memory.csv") if args.out else None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     if args.prefix_reuse:
-        rows = [plan_prefix_reuse(card, layout, args.gpus, group, budget, args.micro_batches)
+        rows = [plan_prefix_reuse(card, layout, args.gpus, group, budget, args.micro_batches, args.host_gib * GIB)
                 for card, layouts in plans.items() for layout in layouts]
         print(f"{args.gpus} GPUs of {args.gpu_gib:.1f} GiB, {100 * args.margin:.0f}% left free; one {args.group} group, "
               f"{args.micro_batches} micro-batches per step; least recompute, responses per part, peak")
         write_table(rows, csv_path, [
             ("card", "model", "12"), ("layout", "layout", "22"), ("whole", "one micro-batch", "24"),
-            ("sub_groups", "sub-groups (prompt each)", "32"), ("reuse", "prefix reuse (prompt held)", "32"),
+            ("sub_groups", "sub-groups (prompt each)", "32"), ("reuse", "prefix reuse (prompt held)", "48"),
             ("runs", "prefix reuse runs", "20"),
         ])
         return

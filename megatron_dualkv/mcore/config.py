@@ -36,6 +36,13 @@ class DualKVTransformerConfig(TransformerConfig):
     token and layer, ffn_hidden_size values fewer kept (per token routed to an expert,
     moe_ffn_hidden_size, plus the unfused SwiGLU's intermediates)."""
 
+    prefix_reuse_prompt_on_host: bool = False
+    """Prefix reuse (``rl.prefix_reuse``): what the held prompt's forward saves for its backward waits
+    in pinned host memory while the response parts run (``torch.autograd.graph.save_on_cpu``), and
+    its backward copies each tensor back when it needs it. For prompts whose saved activations, with
+    the held K/V and their gradients, would not fit beside a part (``MemoryModel``'s
+    ``prompt_on_host``)."""
+
     # YaRN RoPE (position_embedding_type="yarn"): Megatron's GPTModel reads these fields by name
     # without defaults, and its attention applies the attention factor ("mscale") they give to cos
     # and sin. The defaults give a factor of 1, which leaves plain RoPE unchanged.

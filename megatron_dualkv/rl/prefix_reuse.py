@@ -17,7 +17,12 @@ Megatron's schedule, micro-batches in order):
 3. when the last part's backward has finished, the prompt's backward runs once: from its last
    hidden state with the accumulated gradient, while each layer's K/V (``_HeldKV``, the identity
    on the prompt's graph) adds the accumulated gradient of its held copy to what the prompt's own
-   attention sends back.
+   attention sends back. The held copies are dropped when it starts, and each layer's accumulated
+   gradient once its layer has used it.
+
+With ``prefix_reuse_prompt_on_host`` in the model's config, what the prompt's forward saves for
+its backward (every layer's input under full recompute) waits in pinned host memory through the
+parts, so that a prompt too long to keep resident beside the held K/V still runs once.
 
 The gradient is the one-micro-batch step's: the prompt's forward is the same computation (DualKV
 attention makes prompt states independent of the responses), and every path from the loss to the
@@ -36,6 +41,7 @@ other than ``DualKVAttention``.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -58,6 +64,9 @@ class HeldPrompt:
         self.prompt_len = prompt_len
         self.requires_grad = requires_grad
         self.kv: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.holding = True  # until the prompt's backward: its recompute computes the held values again
+        # from the prompt's backward on: per layer, what the parts accumulated in its held k/v's .grad
+        self.grads: Dict[int, Tuple[Optional[Tensor], Optional[Tensor]]] = {}
         self.root: Optional[Tensor] = None  # the prompt's last hidden row, in its graph
         self.last_hidden: Optional[Tensor] = None
 
@@ -69,7 +78,7 @@ class HeldPrompt:
     def keep(self, layer: int, key: Tensor, value: Tensor, copy_key: bool) -> None:
         """Hold the prompt rows of ``key``/``value`` [t, heads, d] (first forward only: a recompute
         of the layer in the prompt's backward computes the same values)."""
-        if layer in self.kv:
+        if not self.holding or layer in self.kv:
             return
         rows = slice(0, self.prompt_len)
         # Copies where the layer does not keep them itself: a key it frees after its forward
@@ -82,21 +91,26 @@ class HeldPrompt:
 
     def add_held_gradients(self, layer: int, dk: Tensor, dv: Tensor) -> Tuple[Tensor, Tensor]:
         out = []
-        for grad, held in zip((dk, dv), self.kv[layer]):
-            if held.grad is not None:
+        for grad, held in zip((dk, dv), self.grads.pop(layer, (None, None))):
+            if held is not None:
                 grad = grad.clone()
-                grad[: self.prompt_len] += held.grad
+                grad[: self.prompt_len] += held
             out.append(grad)
         return tuple(out)
 
     def backward(self) -> None:
         """The prompt's one backward, after every part's (``_AfterLastPart``)."""
         grad = self.last_hidden.grad if self.last_hidden.grad is not None else torch.zeros_like(self.last_hidden)
-        torch.autograd.backward(self.root, grad)
+        # The held copies are read no more: their gradients alone go on, each layer's freed once that
+        # layer's backward has added it, so the backward's peak is not the parts' (``MemoryModel``).
+        self.grads = {layer: (k.grad, v.grad) for layer, (k, v) in self.kv.items()}
+        self.kv, self.holding = {}, False
+        root, self.root = self.root, None
+        torch.autograd.backward(root, grad)
         self.release()
 
     def release(self) -> None:
-        self.kv, self.root, self.last_hidden = {}, None, None
+        self.kv, self.grads, self.root, self.last_hidden = {}, {}, None, None
 
 
 class HeldKV(torch.autograd.Function):
@@ -298,8 +312,12 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
     from .logprobs import packed_output, tensor_parallel_rows
 
     held = HeldPrompt(len(prompt.tokens), torch.is_grad_enabled())
-    hidden = tensor_parallel_rows(model, packed_output(model, prompt.batch, held))
-    layers = get_attr_wrapped_model(model, "config").num_layers
+    config = get_attr_wrapped_model(model, "config")
+    on_host = held.requires_grad and getattr(config, "prefix_reuse_prompt_on_host", False)
+    # pinned, so that the copies back in the prompt's backward do not wait on the host
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if on_host else nullcontext():
+        hidden = tensor_parallel_rows(model, packed_output(model, prompt.batch, held))
+    layers = config.num_layers
     if len(held.kv) != layers:
         raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
                          "DualKVAttention as every layer's core attention (the local layer spec, not Transformer "
