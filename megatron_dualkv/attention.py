@@ -1,28 +1,17 @@
 """``dualkv_attn_func``: the public DualKV attention entry point and its backend choice."""
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Optional
 
 import torch
 
 from .layout import PackedLayout, PrefixedLayout
-from .ops.checks import check_attention_inputs
+from .ops.checks import check_attention_inputs, triton_available
 from .ops.reference import dualkv_attention_reference, dualkv_prefix_attention_reference
 
 # "auto": the fastest kernels on the device (the native sm_90 kernels where they apply, else
 # Triton), the float64-exact reference off GPU; "triton": the portable Triton kernels only
 BACKENDS = ("auto", "triton", "reference")
-
-
-def triton_available(device: torch.device) -> bool:
-    """The Triton kernels run on CUDA devices, and on CPU under ``TRITON_INTERPRET=1``."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(device: torch.device, requested: Optional[bool] = None) -> bool:

@@ -1,6 +1,6 @@
-"""tools/check_triton_compile.py: the Triton kernels (their depth-1 and multi-range tree variants) compile
-for sm_90 on this CPU machine (with the installed Triton), and a kernel that the compiler refuses is
-reported as a failed case."""
+"""tools/check_triton_compile.py: the Triton kernels (their depth-1 and multi-range tree variants, the
+gated delta rule's state scan) compile for sm_90 on this CPU machine (with the installed Triton), and
+a kernel that the compiler refuses is reported as a failed case."""
 import os
 import shutil
 import subprocess
@@ -21,12 +21,14 @@ def test_kernels_compile_for_hopper():
     result = check("--head-dims", "64", "--dtypes", "bf16")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sm_90" in result.stdout and "FAILED" not in result.stdout
-    # four attention variants on a DualKV layout, two on a tree, one against a prompt held apart, elementwise
-    assert result.stdout.count("ok ") == 8
+    # four attention variants on a DualKV layout, two on a tree, one against a prompt held apart, elementwise,
+    # the gated delta rule's state scan
+    assert result.stdout.count("ok ") == 9
     assert "ok     attention tree D=64 bf16 window=16 (" in result.stdout
     assert "ok     attention prefix D=64 bf16 window=50 softcap=30.0 (" in result.stdout
     # each direction of rms_norm, rms_norm_rope and geglu, row_gather_sum
     assert "row_gather_sum bf16 (7 kernels" in result.stdout
+    assert "ok     chunk_state_scan fp32 Dk=128 Dv=128 L=64 (2 kernels" in result.stdout
 
 
 def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):

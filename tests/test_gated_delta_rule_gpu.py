@@ -1,5 +1,6 @@
 """The chunked gated delta rule run once per tree level (``ops.gated_delta_rule``) on a GPU, fla's
-Triton kernel and the PyTorch one (``torch_chunk_varlen``): on the packed layout in bf16, each
+Triton kernel, the PyTorch one (``torch_chunk_varlen``) and the PyTorch one with the Triton state
+scan (``ops.chunk_state_scan``, backend "triton"): on the packed layout in bf16, each
 trajectory's outputs and every input gradient within 2x the error that the same backend makes on
 the replicated layout (each trajectory a sequence from zero state), both measured against the
 float64 reference recurrence; and, since a kernel bug would show on both layouts alike, within a
@@ -29,6 +30,7 @@ def _fla_runs_here():
 BACKENDS = [
     pytest.param("fla", marks=pytest.mark.skipif(not _fla_runs_here(), reason="needs fla, usable on this GPU")),
     "torch",
+    "triton",
 ]
 
 # bf16 keeps 8 significant bits (0.4%); the chunked kernel rounds its inputs and intermediates, so a

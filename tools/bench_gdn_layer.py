@@ -1,7 +1,7 @@
 """One Qwen3.5-4B-dimension Gated DeltaNet layer, forward and forward+backward: the packed layout
 with the prompt's state handed to every response, against the replicated layout (each ``[P][R_i]``
 its own sequence from zero state). Both run the chunked rule (``ops.gated_delta_rule``) of each of
-``--backends`` (fla's Triton kernel, the PyTorch one): packed, once per tree level (the prompt, then
+``--backends`` (fla's Triton kernel, ours with its Triton state scan, the PyTorch one): packed, once per tree level (the prompt, then
 the responses from its final state); replicated, once over the N sequences. The layer is the one ``build_model`` makes (``models/qwen3_5-4b.json`` cut to one
 GDN layer, bf16): input norm, in_proj, the short conv, the rule, the gated norm, out_proj, and the
 MLP; ``mixer`` rows time the GDN token mixer alone.
@@ -63,7 +63,7 @@ def main():
     add_verbose_flag(parser)
     parser.add_argument("--card", default="qwen3_5-4b")
     parser.add_argument("--workloads", default=WORKLOADS, help="comma list of N x P x R")
-    parser.add_argument("--backends", default="fla,torch", help="comma list of gated delta rule backends")
+    parser.add_argument("--backends", default="fla,triton,torch", help="comma list of gated delta rule backends")
     parser.add_argument("--out", default="bench")
     args = parser.parse_args()
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]

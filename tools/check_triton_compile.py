@@ -4,9 +4,10 @@ The ops run on small CPU tensors, choosing what they would choose on the GPU (it
 TMA from sm_90 on), and each kernel launch is replaced by a compile for the target: source to
 cubin through ``ptxas``, no launch and no output. Attention runs on a DualKV layout and on a
 prefix tree (the forward and dQ kernels' multi-range variants), and against a prompt held apart
-(``dualkv_prefix_attn``: its prefix kernels with a window and softcap). A kernel that the GPU's Triton
-would refuse (a type error, shared memory over the limit, an unsupported op) fails here in
-seconds instead of in a device call. The interpreter that runs the CPU tests does not type-check,
+(``dualkv_prefix_attn``: its prefix kernels with a window and softcap). The gated delta rule's
+chunk state scan compiles once, in float32 at Dk = Dv = 128 and chunks of 64. A kernel that the
+GPU's Triton would refuse (a type error, shared memory over the limit, an unsupported op) fails
+here in seconds instead of in a device call. The interpreter that runs the CPU tests does not type-check,
 and it has no shared-memory limit.
 
 Use the Triton version of the GPU machine: it is the one that decides. For example:
@@ -41,6 +42,7 @@ from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # an installed or PYTHONPATH package first
 from megatron_dualkv import DualKVLayout, PrefixedLayout, TreeLayout  # noqa: E402
+from megatron_dualkv.ops import chunk_state_scan as scan  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from megatron_dualkv.ops.dualkv_prefix_attn import dualkv_prefix_attn_triton  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func  # noqa: E402
@@ -105,6 +107,7 @@ def compile_instead_of_launch(arch: int) -> list:
         name, head_dim, torch.device("cuda"), dtype)
     kernels._has_tma = lambda device: arch >= 90
     row_gather.use_triton = lambda device, requested=None: True
+    scan.triton_available = lambda device: True
     return compiled
 
 
@@ -135,6 +138,16 @@ def elementwise_cases(dtype: torch.dtype):
     row_gather.row_gather_sum(torch.randn(5 * 8, 1100, dtype=dtype), torch.randperm(5 * 8), 8)
 
 
+def chunk_state_scan_case():
+    """The gated delta rule's state scan at Qwen3.5's head dims and fla's chunk size: float32 only
+    (what its caller computes in), whatever --dtypes says."""
+    shapes = {"u0": (2, 3, 64, 128), "w": (2, 3, 64, 128), "read_state": (2, 3, 64, 128),
+              "attention": (2, 3, 64, 64), "to_end": (2, 3, 64, 128), "chunk_decay": (2, 3), "state": (2, 128, 128)}
+    inputs = {name: torch.randn(shape, requires_grad=True) for name, shape in shapes.items()}
+    out, final = scan.chunk_state_scan_func(**inputs, backend="triton")
+    (out.sum() + final.sum()).backward()
+
+
 def cases(head_dims, dtypes):
     for d, (name, dtype) in itertools.product(head_dims, dtypes.items()):
         # trees: the variants of the multi-range code (the pieces loop, with a window or without)
@@ -149,6 +162,7 @@ def cases(head_dims, dtypes):
         yield f"attention prefix D={d} {name} window=50 softcap=30.0", lambda d=d, dt=dtype: prefix_attention_case(d, dt)
     for name, dtype in dtypes.items():
         yield f"rms_norm, rms_norm_rope, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
+    yield "chunk_state_scan fp32 Dk=128 Dv=128 L=64", chunk_state_scan_case
 
 
 def main():

@@ -1,12 +1,23 @@
-"""Input checks shared by every DualKV attention backend: bad input fails here, with a message
-that names the problem, never deep inside a kernel."""
+"""Input checks shared by every DualKV attention backend, and where the Triton kernels run: bad
+input fails here, with a message that names the problem, never deep inside a kernel."""
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import torch
 
 from ..layout import PackedLayout
+
+
+def triton_available(device: torch.device) -> bool:
+    """The Triton kernels run on CUDA devices, and on CPU under ``TRITON_INTERPRET=1``."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def check_layout(layout) -> None:

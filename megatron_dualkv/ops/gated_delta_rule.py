@@ -28,11 +28,16 @@ responses from the prompt's state. The backends:
   refuses Hopper with Triton 3.4 to 3.7.0 (a Triton miscompile, fla issue 640; torch 2.11 pins
   Triton 3.6) unless tilelang is installed: ``fla_usable``.
 * ``"torch"``: ``torch_chunk_varlen``, the same chunked (WY) form in plain PyTorch ops, which
-  autograd differentiates; any device, float32 (float64 for float64 inputs) inside.
+  autograd differentiates; any device, float32 (float64 for float64 inputs) inside. The state
+  passes from chunk to chunk in a Python loop (``chunk_state_scan_reference``).
+* ``"triton"``: ``torch_chunk_varlen(scan="triton")``, the same with that loop replaced by one
+  Triton kernel per direction (``ops.chunk_state_scan``); CUDA, or the CPU under
+  ``TRITON_INTERPRET=1``; float32 inside, Dk a power of two >= 16, Dv >= 16.
 * ``"reference"``: the oracle, for the tests.
 
 ``"auto"`` takes fla on CUDA where it is installed and usable, else torch (on the CPU too: an order
-of magnitude faster than the token loop, and as exact).
+of magnitude faster than the token loop, and as exact). It does not take "triton" yet: its scan has
+run on the CPU interpreter only, and "auto" switches to it after its first GPU test.
 """
 from __future__ import annotations
 
@@ -49,7 +54,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..layout import PackedLayout
-from .checks import check_layout
+from .checks import check_layout, triton_available
+from .chunk_state_scan import chunk_state_scan_func
 
 L2NORM_EPS = 1e-6
 
@@ -89,7 +95,8 @@ def gated_delta_rule_reference(
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = ("auto", "fla", "torch", "reference")
+BACKENDS = ("auto", "fla", "triton", "torch", "reference")
+SCANS = ("torch", "triton")
 
 
 def gated_delta_rule_func(
@@ -113,9 +120,11 @@ def gated_delta_rule_func(
     (S, HV, Dk, Dv) in float32 (float64 for float64 inputs), S = ``len(layout.nodes)``.
 
     backend: "fla" (CUDA; bf16, fp16 or fp32 inputs), "torch" (``torch_chunk_varlen``, any device
-    and float dtype), "reference", or "auto": on CUDA fla when it is installed, usable on this GPU
-    and Triton (``fla_usable``) and takes the dtype, else torch (the CPU too). The environment
-    variable ``DUALKV_GDN_BACKEND`` (one of the others) overrides what "auto" picks.
+    and float dtype), "triton" (``torch_chunk_varlen(scan="triton")``: CUDA or the Triton
+    interpreter, float32 inside, Dk a power of two >= 16, Dv >= 16), "reference", or "auto": on
+    CUDA fla when it is installed, usable on this GPU and Triton (``fla_usable``) and takes the
+    dtype, else torch (the CPU too). The environment variable ``DUALKV_GDN_BACKEND`` (one of the
+    others) overrides what "auto" picks.
     """
     backend = _backend(q, backend)
     if q.dim() == 3 and v.dim() == 3 and v.shape[1] % q.shape[1]:
@@ -132,7 +141,7 @@ def gated_delta_rule_func(
         run = fla_varlen(scale, qk_l2norm)
     else:
         _check_torch_inputs(q, k, v, g, beta, layout, scale, initial_state)
-        run = torch_chunk_varlen(scale, qk_l2norm)
+        run = torch_chunk_varlen(scale, qk_l2norm, scan="triton" if backend == "triton" else "torch")
     return run_by_level(run, q, k, v, g, beta, layout, initial_state)
 
 
@@ -154,13 +163,15 @@ def fla_varlen(scale: float, qk_l2norm: bool) -> VarlenRule:
     return run
 
 
-def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> VarlenRule:
+def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64, scan: str = "torch") -> VarlenRule:
     """The chunked rule in plain PyTorch ops with ``fla_varlen``'s contract; autograd differentiates
     it (q, k, v, g, beta and the initial states). Computes in float32, float64 for float64 inputs.
 
     Every sequence is padded to the longest one's whole number of chunks, so the N sequences run as
     one (N, HV, chunks, C, D) batch and only the state recurrence loops, over the chunk index. Padding
-    is inert: g = 0 keeps the decay, beta = 0 and k = 0 add nothing to the state.
+    is inert: g = 0 keeps the decay, beta = 0 and k = 0 add nothing to the state. ``scan`` runs that
+    recurrence: "torch", a Python loop; "triton", one kernel per direction (``chunk_state_scan_func``,
+    which raises ValueError for what its kernels cannot take).
 
     Its intermediates (float32 copies of q and k per value head, each chunk's C x C matrices, the
     state after every chunk) would be several times what fla keeps per token, so they are not kept:
@@ -169,6 +180,8 @@ def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> V
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
 
     def chunked_rule(q, k, v, g, beta, cu_seqlens_cpu, initial):
         q, k = _per_value_head(q, k, v.shape[1], qk_l2norm)
@@ -177,7 +190,7 @@ def torch_chunk_varlen(scale: float, qk_l2norm: bool, chunk_size: int = 64) -> V
         chunked = [padding.chunked(x.to(dtype)) for x in (q * scale, k, v, g, beta)]
         if initial is None:
             initial = q.new_zeros(padding.sequences, v.shape[1], q.shape[2], v.shape[2])
-        out, final = _chunk_recurrence(*chunked, initial.to(dtype))
+        out, final = _chunk_recurrence(*chunked, initial.to(dtype), scan)
         return padding.unchunked(out).to(v.dtype), final
 
     def run(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial):
@@ -229,11 +242,13 @@ class _ChunkPadding:
         return x.movedim(1, 3).flatten(0, 2).index_select(0, self.real)
 
 
-def _chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tuple[Tensor, Tensor]:
+def _chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                      scan: str = "torch") -> Tuple[Tensor, Tensor]:
     """The gated delta rule chunk by chunk (Yang et al., "Parallelizing Linear Transformers with the
     Delta Rule over Sequence Length", 2024, with Gated DeltaNet's scalar decay). q (already scaled),
     k: (..., chunks, C, Dk); v: (..., chunks, C, Dv); g, beta: (..., chunks, C); state: (..., Dk, Dv),
-    the state before the first chunk. Returns the outputs (..., chunks, C, Dv) and the last state.
+    the state before the first chunk; scan: ``chunk_state_scan_func``'s backend for the chunk-to-chunk
+    part. Returns the outputs (..., chunks, C, Dv) and the last state.
 
     Within a chunk that starts from state S, let G_t = g_1 + .. + g_t (the log of the decay from the
     chunk's start through token t). Unrolling h_t = exp(g_t) h_{t-1} + k_t u_t^T:
@@ -246,7 +261,7 @@ def _chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     A_tj = beta_t exp(G_t - G_j) (k_t . k_j). Forward substitution (a unit lower-triangular solve)
     gives the WY (UT-transform) form U = U0 - W S with U0 = (I + A)^-1 diag(beta) V and
     W = (I + A)^-1 diag(beta exp(G)) K, neither of which depends on S, so every chunk's is solved at
-    once. Then, per chunk in turn:
+    once. Then, per chunk in turn (``chunk_state_scan_func``):
 
         O     = diag(exp(G)) Q S + (Q K^T * D) U             D_tj = exp(G_t - G_j) for j <= t, else 0
         S_new = exp(G_C) S + (diag(exp(G_C - G)) K)^T U
@@ -269,12 +284,7 @@ def _chunk_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     read_state = log_decay.exp()[..., None] * q  # diag(exp(G)) Q
     to_end = (log_decay[..., -1:] - log_decay).exp()[..., None] * k  # diag(exp(G_C - G)) K
     chunk_decay = log_decay[..., -1].exp()  # exp(G_C)
-    outputs = []
-    for c in range(g.shape[-2]):
-        u = u0[..., c, :, :] - w[..., c, :, :] @ state
-        outputs.append(read_state[..., c, :, :] @ state + attention[..., c, :, :] @ u)
-        state = chunk_decay[..., c, None, None] * state + to_end[..., c, :, :].transpose(-1, -2) @ u
-    return torch.stack(outputs, dim=-3), state
+    return chunk_state_scan_func(u0, w, read_state, attention, to_end, chunk_decay, state, backend=scan)
 
 
 @dataclass(frozen=True)
@@ -371,6 +381,8 @@ def _backend(q: Tensor, backend: str) -> str:
                     f"fla-core's backward refuses compute capability {capability} (Hopper) with Triton "
                     f"{triton_version}, which miscompiles it (fla issue 640): install Triton >= 3.7.1 or "
                     "tilelang, or use backend='torch'")
+    if backend == "triton" and not triton_available(q.device):
+        raise ValueError(f"backend 'triton' runs on CUDA, or on the CPU under TRITON_INTERPRET=1, not on {q.device}")
     return backend
 
 
