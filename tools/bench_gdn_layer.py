@@ -1,8 +1,9 @@
 """One Qwen3.5-4B-dimension Gated DeltaNet layer, forward and forward+backward: the packed layout
 with the prompt's state handed to every response, against the replicated layout (each ``[P][R_i]``
 its own sequence from zero state). Both run the chunked rule (``ops.gated_delta_rule``) of each of
-``--backends`` (fla's Triton kernel, ours with its Triton state scan, the PyTorch one): packed, once per tree level (the prompt, then
-the responses from its final state); replicated, once over the N sequences. The layer is the one ``build_model`` makes (``models/qwen3_5-4b.json`` cut to one
+``--backends`` (fla's Triton kernel, ours with its Triton state scan, the PyTorch one): packed,
+once per tree level (the prompt, then the responses from its final state); replicated, once over
+the N sequences. The layer is the one ``build_model`` makes (``models/qwen3_5-4b.json`` cut to one
 GDN layer, bf16): input norm, in_proj, the short conv, the rule, the gated norm, out_proj, and the
 MLP; ``mixer`` rows time the GDN token mixer alone.
 
