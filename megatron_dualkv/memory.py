@@ -636,10 +636,11 @@ class MemoryModel:
         that predict a trained token. ``micro_batch``: when the tokens are the packed-token budget of
         ``plan_micro_batches`` rather than a micro-batch's tokens on ``layout`` (the launch script plans
         the replicated layout's micro-batches by packed tokens), the largest micro-batch that a budget
-        of n makes, as (its tokens on ``layout``, its rows predicting a trained token). ``held_prompt_tokens``,
-        ``prompt_on_host``: as in ``predict`` (prefix reuse's longest held prompt); a setting fits only where
-        what it puts on the host fits ``host_budget_bytes`` too (default ``host_budget()``). ValueError when even the last setting
-        does not fit ``min_tokens``, naming the budget and that setting's peak.
+        of n makes, as (its tokens on ``layout``, its rows predicting a trained token).
+        ``held_prompt_tokens``, ``prompt_on_host``: as in ``predict`` (prefix reuse's longest held
+        prompt); a setting fits only where what it puts on the host fits ``host_budget_bytes`` too
+        (default ``host_budget()``). ValueError when even the last setting does not fit
+        ``min_tokens``, naming the budget and that setting's peak.
         """
         ladder = self.recompute_ladder() if recompute is None else [(recompute, recompute_layers)]
         micro_batch = micro_batch or (lambda n: (n, int(n * predicting_fraction)))

@@ -57,18 +57,22 @@ DOT_PRECISION = "ieee"
 
 
 @triton.jit
-def _scan_fwd_kernel(U0, W, R, A, E, D, S0, O, S_FINAL, S_ALL, C, DV, L: tl.constexpr, DK: tl.constexpr,
-                     BV: tl.constexpr, KEEP_STATES: tl.constexpr, PRECISION: tl.constexpr):
-    # per chunk c, S the state before it:  u = U0 - W S;  O = R S + A u;  S <- d S + E^T u
+def _block_offsets(DV, L: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr):
+    """This program's batch index, which of its BV columns of Dv exist, and the offsets of its
+    (DK x BV) state block, an (L x BV) value tile, an (L x DK) key tile and an (L x L) tile."""
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
     rows = tl.arange(0, L)
     keys = tl.arange(0, DK)
-    in_v = cols < DV
-    state_at = keys[:, None] * DV + cols[None, :]
-    value_at = rows[:, None] * DV + cols[None, :]
-    key_at = rows[:, None] * DK + keys[None, :]
-    square_at = rows[:, None] * L + rows[None, :]
+    return (b, cols < DV, keys[:, None] * DV + cols[None, :], rows[:, None] * DV + cols[None, :],
+            rows[:, None] * DK + keys[None, :], rows[:, None] * L + rows[None, :])
+
+
+@triton.jit
+def _scan_fwd_kernel(U0, W, R, A, E, D, S0, O, S_FINAL, S_ALL, C, DV, L: tl.constexpr, DK: tl.constexpr,
+                     BV: tl.constexpr, KEEP_STATES: tl.constexpr, PRECISION: tl.constexpr):
+    # per chunk c, S the state before it:  u = U0 - W S;  O = R S + A u;  S <- d S + E^T u
+    b, in_v, state_at, value_at, key_at, square_at = _block_offsets(DV, L, DK, BV)
     state = tl.load(S0 + b * DK * DV + state_at, mask=in_v[None, :], other=0.0)
     for c in range(C):
         chunk = b * C + c
@@ -90,15 +94,7 @@ def _scan_fwd_kernel(U0, W, R, A, E, D, S0, O, S_FINAL, S_ALL, C, DV, L: tl.cons
 def _scan_bwd_kernel(DO, W, R, A, E, D, DS_FINAL, DU, DS_AFTER, DS0, C, DV,
                      L: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     # chunks in reverse, dS the gradient after chunk c:  du = A^T dO + E dS;  dS <- d dS + R^T dO - W^T du
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BV + tl.arange(0, BV)
-    rows = tl.arange(0, L)
-    keys = tl.arange(0, DK)
-    in_v = cols < DV
-    state_at = keys[:, None] * DV + cols[None, :]
-    value_at = rows[:, None] * DV + cols[None, :]
-    key_at = rows[:, None] * DK + keys[None, :]
-    square_at = rows[:, None] * L + rows[None, :]
+    b, in_v, state_at, value_at, key_at, square_at = _block_offsets(DV, L, DK, BV)
     d_state = tl.load(DS_FINAL + b * DK * DV + state_at, mask=in_v[None, :], other=0.0)
     for i in range(C):
         chunk = b * C + (C - 1 - i)
