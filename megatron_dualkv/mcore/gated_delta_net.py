@@ -148,7 +148,7 @@ class DualKVGatedDeltaNet(MegatronModule):
 
     def _gated_norm_kept_lean(self, out: Tensor, gate: Tensor) -> Tensor:
         """The gated norm, keeping only its inputs: its float32 chain would keep five float32
-        copies of the values per token (80 KiB a token at Qwen3.5-4B's widths, four times out_proj's
+        copies of the values per token (80 KiB a token at Qwen3.5-4B's widths, ten times out_proj's
         input), and its backward recomputes them in a few elementwise kernels instead."""
         if not torch.is_grad_enabled():
             return self._gated_norm(out, gate)
