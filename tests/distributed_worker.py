@@ -134,6 +134,10 @@ PARALLEL_RUNS = {
     # (all-gathered rows under SP, copied ones without)
     "reuse_dense_tp2": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=False), reuse=True),
     "reuse_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), reuse=True),
+    # the prompt's saved activations (sequence-parallel shards, all-gathered inputs) on the host
+    # until its backward; a memory setting the reference runs without, like recompute
+    "reuse_dense_tp2_sp_on_host": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), reuse=True,
+                                              recompute=dict(recompute="full", prefix_reuse_prompt_on_host=True)),
     # each expert rank runs its experts on every part's tokens and the prompt's
     "reuse_moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), reuse=True),
     # a split tree's held path (REUSE_TREE_PARTS of the first tree of TREE_SHAPES), the same under TP with SP
