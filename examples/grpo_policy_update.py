@@ -374,8 +374,8 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
             if replicated and args.recompute == args.max_tokens == AUTO:
                 fit = _largest_cheap_fit(memory, budget, need, multiple=multiple, **shape)
             else:
-                fit = _fit_holding_prompt(memory, budget, need, held_prompt(args, groups, need), multiple=multiple,
-                                          **setting, **shape)
+                fit = memory.fit_holding_prompt(budget, need, held_prompt_tokens=held_prompt(args, groups, need),
+                                                multiple=multiple, **setting, **shape)
             break
         except ValueError as err:
             problem = err
@@ -388,18 +388,6 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     return memory.fit_at(args.max_tokens, fit.recompute, fit.recompute_layers, **shape,
                          held_prompt_tokens=held_prompt(args, groups, args.max_tokens),
                          prompt_on_host=fit.prompt_on_host)
-
-
-def _fit_holding_prompt(memory: MemoryModel, budget: float, need: int, held: int, **kwargs) -> Fit:
-    """``memory.fit`` for micro-batches beside prefix reuse's held prompt of ``held`` tokens; where
-    none fits with the prompt's activations on the GPU, with them on the host (the copies cost a
-    prompt's activations over PCIe twice a step, far less than carrying the prompt in sub-groups)."""
-    try:
-        return memory.fit(budget, need, held_prompt_tokens=held, **kwargs)
-    except ValueError:
-        if not held:
-            raise
-    return memory.fit(budget, need, held_prompt_tokens=held, prompt_on_host=True, **kwargs)
 
 
 def held_prompt(args: argparse.Namespace, groups: List[Rollout], max_tokens: int) -> int:

@@ -668,6 +668,20 @@ class MemoryModel:
             "(tp, pp, cp) or shorter sequences"
         )
 
+    def fit_holding_prompt(self, budget_bytes: float, min_tokens: int, *args, held_prompt_tokens: int = 0,
+                           **kwargs) -> "Fit":
+        """``fit`` beside prefix reuse's held prompt: with the prompt's activations on the GPU, else,
+        where no setting fits so, on the host (``prompt_on_host``; the copies cost its activations over
+        PCIe twice a step, far less than carrying the prompt in sub-groups). What the launch script,
+        the benchmark and the planning table run."""
+        try:
+            return self.fit(budget_bytes, min_tokens, *args, held_prompt_tokens=held_prompt_tokens, **kwargs)
+        except ValueError:
+            if not held_prompt_tokens:
+                raise
+        return self.fit(budget_bytes, min_tokens, *args, held_prompt_tokens=held_prompt_tokens, prompt_on_host=True,
+                        **kwargs)
+
     def fit_at(self, tokens: int, recompute: str, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
                layout: str = "packed", micro_batch: Optional[Callable[[int], Tuple[int, int]]] = None,
                held_prompt_tokens: int = 0, prompt_on_host: bool = False) -> "Fit":
@@ -714,6 +728,13 @@ class Fit:
                        f"micro-batches planned with {self.tokens:,} packed tokens, the largest {self.micro_batch_tokens:,} "
                        f"{self.layout} tokens")
         return f"layout {self.layout}, recompute {self.recompute}{layers}, {micro_batch}, predicted peak {self.estimate.describe()}"
+
+
+def setting_label(recompute: str, recompute_layers: Optional[int], prompt_on_host: bool = False) -> str:
+    """A setting as the tables print it: "selective+31" (31 layers also recomputed whole), with
+    ", prompt on host" where prefix reuse's prompt keeps its activations there."""
+    return (recompute + (f"+{recompute_layers}" if recompute_layers else "")
+            + (", prompt on host" if prompt_on_host else ""))
 
 
 def host_budget(share: float = HOST_SHARE) -> float:

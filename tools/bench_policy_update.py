@@ -184,7 +184,7 @@ if __name__ == "__main__":
 import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import (CostModel, DualKVLayout, PackedLayout, PrefixedLayout, RolloutGroup, Trajectory,  # noqa: E402
                              plan_micro_batches)
-from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget, setting_label  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 
@@ -441,14 +441,11 @@ def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, work
 
 
 def _fit_or_none(memory: MemoryModel, budget: float, tokens: int, predicting_fraction: float, shape):
-    """``memory.fit``, for reuse with the held prompt's activations on the host where only that fits
-    (as the launch script's ``fit_within``); None where nothing fits."""
-    for prompt_on_host in (False, True) if shape["held_prompt_tokens"] else (False,):
-        try:
-            return memory.fit(budget, tokens, predicting_fraction, **shape, prompt_on_host=prompt_on_host)
-        except ValueError:
-            pass
-    return None
+    """``memory.fit_holding_prompt`` (as the launch script's ``fit_within``); None where nothing fits."""
+    try:
+        return memory.fit_holding_prompt(budget, tokens, predicting_fraction, **shape)
+    except ValueError:
+        return None
 
 
 class PolicyCache:
@@ -611,8 +608,7 @@ COLUMNS = ["model", "spec", "N", "P", "R", "layout", "mb resp", "mb tokens", "--
 
 
 def row(result: Result) -> str:
-    recompute = (result.recompute + (f"+{result.recompute_layers}" if result.recompute_layers else "")
-                 + (", prompt on host" if result.prompt_on_host else ""))
+    recompute = setting_label(result.recompute, result.recompute_layers, result.prompt_on_host)
     cells = [result.model, result.spec, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
              result.micro_batch_tokens, result.max_tokens, result.micro_batches, recompute, f"{result.step_s:.4g}",
              f"{result.tokens_per_s:,.0f}", f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%",

@@ -31,7 +31,7 @@ hide_expected_notices()  # before Megatron-Core is imported, which warns at impo
 from tool_args import add_verbose_flag  # noqa: E402
 from bench_attention import write_table  # noqa: E402
 from megatron_dualkv.mcore import plan_parallel  # noqa: E402
-from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, setting_label  # noqa: E402
 
 H200_GIB = 143771 / 1024  # what torch reports of an H200's memory
 HOST_GIB = 64  # host memory per GPU for pinned prompt activations: half of a machine with 128 GiB per GPU
@@ -56,8 +56,7 @@ def layout_name(parallel) -> str:
 
 
 def recompute_name(fit) -> str:
-    return (fit.recompute + (f"+{fit.recompute_layers}" if fit.recompute_layers else "")
-            + (", prompt on host" if fit.prompt_on_host else ""))
+    return setting_label(fit.recompute, fit.recompute_layers, fit.prompt_on_host)
 
 
 def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches: int) -> dict:
@@ -81,17 +80,14 @@ def least_recompute(memory: MemoryModel, budget: float, group, k: int, micro_bat
     n, p, r = group
     tokens = p + k * r
     held = p if held_prompt else 0
-    # prefix reuse: with the prompt's activations on the host where only that fits (as the launch script plans)
-    for on_host in (False, True) if held else (False,):
-        try:
-            fit = memory.fit(budget, tokens, k * r / tokens, num_micro_batches=micro_batches, held_prompt_tokens=held,
-                             prompt_on_host=on_host, host_budget_bytes=host_budget)
-        except ValueError:
-            continue
-        peak = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, micro_batches, held_prompt_tokens=held,
-                           prompt_on_host=on_host)
-        return fit, peak.total_gib
-    return None
+    try:
+        fit = memory.fit_holding_prompt(budget, tokens, k * r / tokens, num_micro_batches=micro_batches,
+                                        held_prompt_tokens=held, host_budget_bytes=host_budget)
+    except ValueError:
+        return None
+    peak = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, micro_batches, held_prompt_tokens=held,
+                       prompt_on_host=fit.prompt_on_host)
+    return fit, peak.total_gib
 
 
 def best_split(memory: MemoryModel, budget: float, group, micro_batches: int, held_prompt: bool,

@@ -18,9 +18,10 @@ union's, so each piece's flash backward, run on the merged (o, lse), gives that 
 share of dq and the exact dk/dv of its keys (dq = dqA + dqB).
 
 Triton backend: piece B is the causal DualKV kernels (``ops.dualkv_attn``) on the responses as
-plain sequences, or on the segments' tree (a window sees the same position differences there); piece A is the kernels
-below, flash attention of the queries of each group over that group's prefix rows (math as in
-``ops.dualkv_attn``, c = softcap, s = softmax scale, key j at logical position j of its prompt):
+plain sequences, or on the segments' tree (a window sees the same position differences there);
+piece A is the kernels below, flash attention of the queries of each group over that group's
+prefix rows (math as in ``ops.dualkv_attn``, c = softcap, s = softmax scale, key j at logical
+position j of its prompt):
 
     forward, per (query tile, query head), tiles inside one group:
         z_ij = s q_i . k_j (or c tanh(s q_i . k_j / c)), visible iff pos_i - j < window;
