@@ -144,6 +144,23 @@ def test_triton_within_the_flash_bound(groups, pad_len, heads, d, window, softca
 
 
 @triton_interpreter
+def test_triton_with_unequal_blocks_per_pass_within_the_flash_bound(monkeypatch):
+    """The passes' blocks as on a GPU, each its own (the forward's query tiles 32 rows, dQ's 16, dK/dV's
+    key tiles 32 against query blocks of 16): every table follows its pass's blocks."""
+    from megatron_dualkv.ops import dualkv_prefix_attn
+    from megatron_dualkv.ops.dualkv_attn import KernelConfig
+
+    blocks = {"fwd": KernelConfig(32, 16, 1, 1), "dq": KernelConfig(16, 32, 1, 1), "dkdv": KernelConfig(16, 32, 1, 1)}
+    monkeypatch.setattr(dualkv_prefix_attn, "kernel_config", lambda name, *args: blocks[name])
+    kw = dict(window_size=45, softmax_scale=0.8 / 8**0.5)
+    lengths = ((70, 9), ((33, 40), (21,)))
+    ours, exact = concatenated_and_prefixed(*lengths, 3, 2, 1, 8, torch.float32, "triton", **kw)
+    same_precision, _ = concatenated_and_prefixed(*lengths, 3, 2, 1, 8, torch.float32, "reference", **kw)
+    for name, a, b, r in zip(NAMES, ours, same_precision, exact):
+        assert_within_twice_the_reference_error(name, a, b, r, 1e-5)
+
+
+@triton_interpreter
 @given(st.data(), st.integers(1, 30), st.sampled_from([(2, 1), (3, 3)]), st.one_of(st.none(), st.integers(1, 30)),
        st.sampled_from([torch.float32, torch.float16]))
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -434,6 +434,22 @@ def test_bench_halves_the_micro_batch_until_it_fits(bench, monkeypatch):
     assert result.step_s == pytest.approx(0.5) and result.tflops == pytest.approx(4.0) and result.mfu == pytest.approx(0.4)
 
 
+def test_bench_warms_a_split_group_up_on_its_first_micro_batch(bench):
+    """The warm-up group: the responses of the first micro-batch the planner makes, with their rewards."""
+    from types import SimpleNamespace
+
+    group = bench.rollout_group(16, 100, 10, 1000, seed=1)
+    policy = SimpleNamespace(cost=SimpleNamespace(attention_weight=1.0))
+    (warm,) = bench.warm_up_group(group, 100 + 4 * 10, policy)
+    first = bench.plan_micro_batches([group], 140, attention_weight=1.0).ranks[0][0]
+    picked = first.source_responses[0]
+    assert len(picked) == 4 and warm.prompt == group.prompt
+    assert warm.responses == [group.responses[i] for i in picked]
+    assert warm.rewards == [group.rewards[i] for i in picked]
+    (whole,) = bench.warm_up_group(group, 100 + 16 * 10, policy)
+    assert whole.responses == list(group.responses)
+
+
 def test_replicated_auto_takes_the_benchmarks_setting_in_packed_tokens(script, bench):
     """--layout replicated --recompute auto --max-tokens auto, Qwen3-4B, one 16 x 8192 x 1024 group,
     an H200 less 8%: the benchmark's replicated setting (selective, 2 responses per micro-batch), as

@@ -361,13 +361,20 @@ def test_planned_tree_step_equals_the_one_micro_batch_step(model):
 
 @pytest.mark.parametrize("recompute", [None, "full"], ids=["no recompute", "full recompute"])
 def test_prompt_activations_on_the_host_give_the_same_step(monkeypatch, recompute):
-    """``prefix_reuse_prompt_on_host``: the prompt's forward saves through ``save_on_cpu`` (the parts'
-    forwards do not), and the step is still the one-micro-batch step."""
-    real, entered = torch.autograd.graph.save_on_cpu, []
-    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", lambda **kwargs: entered.append(kwargs) or real(**kwargs))
+    """``prefix_reuse_prompt_on_host``: the prompt's forward saves into the host stash (the parts'
+    forwards do not), parameters stay where they are, and the step is still the one-micro-batch step."""
+    from megatron_dualkv.rl import prefix_reuse
+    from megatron_dualkv.rl.host_stash import HostStash
+
+    stash, packed = HostStash(pin=False, slab_bytes=4096), []
+    real = stash._pack
+    monkeypatch.setattr(stash, "_pack", lambda t: packed.append(t) or real(t))
+    monkeypatch.setattr(prefix_reuse, "host_stash", lambda: stash)
     model = build_model("qwen3-tiny", recompute=recompute, prefix_reuse_prompt_on_host=True).double()
     assert_equal_steps(model, "grpo", PARTS)
-    assert len(entered) == 1
+    params = [t for t in packed if isinstance(t, torch.nn.Parameter)]
+    assert len(params) < len(packed) and len(stash.slabs) > 1
+    assert params and all(real(p) is p for p in params)
 
 
 def test_the_prompt_backward_drops_the_held_copies_and_each_gradient_once_used(model, monkeypatch):

@@ -187,6 +187,7 @@ from megatron_dualkv import (CostModel, DualKVLayout, PackedLayout, PrefixedLayo
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget, setting_label  # noqa: E402
 from megatron_dualkv.models import load_card  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
+from megatron_dualkv.rl.host_stash import host_stash  # noqa: E402
 
 
 @dataclass
@@ -272,11 +273,22 @@ def run_steps(policy, group, layout: str, max_tokens: int, repeats: int):
     rollouts = [group] if isinstance(group, RolloutGroup) else group
     step_layout, reuse = ("packed", True) if layout == "reuse" else (layout, False)
 
-    def step():
+    def step(rollouts):
         return policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, step_layout, prefix_reuse=reuse)
 
-    step()
-    return [step() for _ in range(repeats)]
+    step(warm_up_group(group, max_tokens, policy) if isinstance(group, RolloutGroup) and not reuse else rollouts)
+    return [step(rollouts) for _ in range(repeats)]
+
+
+def warm_up_group(group: RolloutGroup, max_tokens: int, policy) -> List[RolloutGroup]:
+    """A group that the planner splits warms up on its first micro-batch's responses alone: the same
+    micro-batch shapes, so the same compilation and peak, in a fraction of the step (a split step at
+    131K tokens takes minutes). Prefix reuse warms up on the whole group, whose first part alone
+    would fit one micro-batch and skip the held prompt's kernels."""
+    first = plan_micro_batches([group], max_tokens, attention_weight=policy.cost.attention_weight).ranks[0][0]
+    picked = first.source_responses[0]
+    return [RolloutGroup(group.prompt, [group.responses[i] for i in picked],
+                         rewards=[group.rewards[i] for i in picked] if group.rewards is not None else None)]
 
 
 def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tflops: float, result: Result) -> Result:
@@ -538,7 +550,8 @@ def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> 
     result.recompute_flops = setting.recompute_flops / setting.useful_flops
     result.predicted_gib = setting.predicted_gib
     # the row prints once every layout has run; say this one's numbers now, for a run cut off later
-    print(f"  measured: {result.step_s:.4g} s a step, {result.mfu:.1%} MFU, peak {result.peak_gib:.1f} GiB", flush=True)
+    host = f", {host_stash().reserved_bytes / GIB:.1f} GiB page-locked on the host" if setting.prompt_on_host else ""
+    print(f"  measured: {result.step_s:.4g} s a step, {result.mfu:.1%} MFU, peak {result.peak_gib:.1f} GiB{host}", flush=True)
     return result
 
 

@@ -2,8 +2,9 @@
 
 The ops run on small CPU tensors, choosing what they would choose on the GPU (its block configs,
 TMA from sm_90 on), and each kernel launch is replaced by a compile for the target: source to
-cubin through ``ptxas``, no launch and no output. Attention runs on a DualKV layout and on a
-prefix tree (the forward and dQ kernels' multi-range variants), and against a prompt held apart
+cubin through ``ptxas``, no launch and no output; a kernel over a block's shared memory fails, as its
+launch would. Attention runs on a DualKV layout and on a prefix tree (the forward and dQ kernels'
+multi-range variants), and against a prompt held apart
 (``dualkv_prefix_attn``: its prefix kernels with a window and softcap). The gated delta rule's
 chunk state scan compiles once, in float32 at Dk = Dv = 128 and chunks of 64. A kernel that the
 GPU's Triton would refuse (a type error, shared memory over the limit, an unsupported op) fails
@@ -44,13 +45,15 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")) 
 from megatron_dualkv import DualKVLayout, PrefixedLayout, TreeLayout  # noqa: E402
 from megatron_dualkv.ops import chunk_state_scan as scan  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
-from megatron_dualkv.ops.dualkv_prefix_attn import dualkv_prefix_attn_triton  # noqa: E402
+from megatron_dualkv.ops import dualkv_prefix_attn as prefix  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm_rope import rms_norm_rope_func  # noqa: E402
 from megatron_dualkv.ops import row_gather_sum as row_gather  # noqa: E402
 
 HEAD_DIMS = (64, 96, 128, 192, 256, 512)
+# the most shared memory one block may take (the CUDA programming guide's per-arch limits)
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # prompt 70 and responses 33, 40: several blocks, none a multiple of a block size
 LAYOUT = DualKVLayout(prompt_lens=(70,), response_lens=((33, 40),))
@@ -97,13 +100,18 @@ def compile_instead_of_launch(arch: int) -> list:
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        # a launch checks this, a compile does not
+        limit = SHARED_MEMORY.get(arch)
+        if limit is not None and kernel.metadata.shared > limit:
+            raise RuntimeError(f"{self.fn.__name__} needs {kernel.metadata.shared} B of shared memory, over "
+                               f"sm_{arch}'s {limit}")
         compiled.append(self.fn.__name__)
         return kernel
 
     JITFunction.run = run
     # what the ops would choose on such a GPU, for the CPU tensors here
     choose_config = kernels.kernel_config
-    kernels.kernel_config = lambda name, head_dim, device, dtype=torch.bfloat16: choose_config(
+    kernels.kernel_config = prefix.kernel_config = lambda name, head_dim, device, dtype=torch.bfloat16: choose_config(
         name, head_dim, torch.device("cuda"), dtype)
     kernels._has_tma = lambda device: arch >= 90
     row_gather.use_triton = lambda device, requested=None: True
@@ -125,7 +133,7 @@ def prefix_attention_case(head_dim: int, dtype: torch.dtype):
     q = torch.randn(layout.total_tokens, 4, head_dim, dtype=dtype, requires_grad=True)
     k, v, prefix_k, prefix_v = (torch.randn(n, 2, head_dim, dtype=dtype, requires_grad=True)
                                 for n in (layout.total_tokens, layout.total_tokens, 70, 70))
-    dualkv_prefix_attn_triton(q, k, v, prefix_k, prefix_v, layout, window_size=50, softcap=30.0).float().sum().backward()
+    prefix.dualkv_prefix_attn_triton(q, k, v, prefix_k, prefix_v, layout, window_size=50, softcap=30.0).float().sum().backward()
 
 
 def elementwise_cases(dtype: torch.dtype):

@@ -50,6 +50,11 @@ CHUNK_SIZES = (16, 32, 64)  # L: tl.dot takes blocks of 16 and more; the rule us
 # under 1 KB.
 BLOCK_V = 16
 NUM_WARPS = 8
+# No software pipelining of the chunk loop: Triton's default (3 stages) buffers two chunks' W, R, A
+# and E tiles ahead, 245,760 B of shared memory at Dk = 128, L = 64, over sm_90's 232,448, and the
+# launch is refused. One stage takes 53 KB (forward) and 70 KB (backward), so several programs share
+# an SM and hide each other's loads.
+NUM_STAGES = 1
 # float32 products as float32 (tf32 would keep 10 bits of mantissa): the rule computes in float32,
 # and its tests hold it to the float32 loop's error. "tf32x3" (tensor cores, near float32) spills
 # about as little at BV = 64 with 4 warps: the candidate for the first GPU run to time.
@@ -122,7 +127,8 @@ def _scan_forward(u0, w, read_state, attention, to_end, chunk_decay, state, keep
     states = u0.new_empty(batch, chunks, dk, dv) if keep_states else final  # final: an unused pointer
     _scan_fwd_kernel[(batch, triton.cdiv(dv, BLOCK_V))](
         u0, w, read_state, attention, to_end, chunk_decay, state, out, final, states, chunks, dv,
-        L=size, DK=dk, BV=BLOCK_V, KEEP_STATES=keep_states, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS)
+        L=size, DK=dk, BV=BLOCK_V, KEEP_STATES=keep_states, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return out, final, (states if keep_states else None)
 
 
@@ -136,7 +142,8 @@ def _scan_backward(d_out, d_final, w, read_state, attention, to_end, chunk_decay
     d_state = torch.empty_like(d_final)
     _scan_bwd_kernel[(batch, triton.cdiv(dv, BLOCK_V))](
         d_out, w, read_state, attention, to_end, chunk_decay, d_final, d_u, d_after, d_state, chunks, dv,
-        L=size, DK=dk, BV=BLOCK_V, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS)
+        L=size, DK=dk, BV=BLOCK_V, PRECISION=DOT_PRECISION, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return d_u, d_after, d_state
 
 

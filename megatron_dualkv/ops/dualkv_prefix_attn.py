@@ -20,8 +20,8 @@ share of dq and the exact dk/dv of its keys (dq = dqA + dqB).
 Triton backend: piece B is the causal DualKV kernels (``ops.dualkv_attn``) on the responses as
 plain sequences, or on the segments' tree (a window sees the same position differences there);
 piece A is the kernels below, flash attention of the queries of each group over that group's
-prefix rows (math as in ``ops.dualkv_attn``, c = softcap, s = softmax scale, key j at logical
-position j of its prompt):
+prefix rows, in each pass's blocks of the DualKV kernels (``kernel_config``; math as in
+``ops.dualkv_attn``, c = softcap, s = softmax scale, key j at logical position j of its prompt):
 
     forward, per (query tile, query head), tiles inside one group:
         z_ij = s q_i . k_j (or c tanh(s q_i . k_j / c)), visible iff pos_i - j < window;
@@ -34,7 +34,7 @@ position j of its prompt):
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 import triton
@@ -42,10 +42,10 @@ import triton.language as tl
 
 from ..layout import DualKVLayout, PackedLayout, PrefixedLayout, TreeLayout
 from .checks import check_prefix_attention_inputs
-from .dualkv_attn import LOG2E, NO_WINDOW, _bwd, _dot, _fwd, _program_row, _scores, kernel_tables
+from .dualkv_attn import (LOG2E, NO_WINDOW, KernelConfig, _bwd, _dot, _fwd, _program_row, _scores, kernel_config,
+                          kernel_tables)
 
 # ==================================================================================== kernels
-BLOCK = 16  # query and key rows per tile: small prefix pieces, any head dim up to 512
 
 
 @triton.jit
@@ -180,37 +180,61 @@ def _prefix_dkdv_kernel(Q, PK, PV, DO, DPK, DPV, LSE, DELTA, POS, TILES, stride_
 
 
 # ==================================================================================== host side
-def _tables(layout: PrefixedLayout) -> Tuple[torch.Tensor, torch.Tensor, PackedLayout]:
-    """(query tiles ``(q_start, q_end, prefix row, prefix_len)`` inside one group; prefix key
-    tiles ``(row, row end, position of the first, q_start, q_end)`` with their group's queries;
-    piece B's layout: the responses as plain causal sequences, or the segments' tree), cached per
-    layout."""
+def _configs(head_dim: int, device: torch.device, dtype: torch.dtype) -> Dict[str, KernelConfig]:
+    """Each pass's blocks: the DualKV kernels' for the same pass (``kernel_config``), whose inner
+    loops these share. A prompt held for prefix reuse is long (a 127K-token prompt against 32K
+    queries a part), so its tiles need the tensor-core shapes of the main kernels."""
+    return {name: kernel_config(name, head_dim, device, dtype) for name in ("fwd", "dq", "dkdv")}
+
+
+def _query_tiles(layout: PrefixedLayout, block: int) -> torch.Tensor:
+    """(q_start, q_end, prefix row, prefix_len) of query tiles of ``block`` rows inside one group."""
+    return layout.derived(("prefix_query_tiles", block), lambda: _as_table(
+        [(s, min(s + block, end), prefix_start, prefix_len)
+         for prefix_start, prefix_len, start, end in _group_rows(layout) for s in range(start, end, block)],
+        layout.device))
+
+
+def _key_tiles(layout: PrefixedLayout, block: int) -> torch.Tensor:
+    """(row, row end, position of the first, q_start, q_end) of prefix key tiles of ``block`` rows,
+    with their group's queries."""
+    return layout.derived(("prefix_key_tiles", block), lambda: _as_table(
+        [(prefix_start + j, prefix_start + min(j + block, prefix_len), j, start, end)
+         for prefix_start, prefix_len, start, end in _group_rows(layout) for j in range(0, prefix_len, block)],
+        layout.device))
+
+
+def _group_rows(layout: PrefixedLayout):
+    """Per group: its prefix's first row and length, and its queries' rows [start, end)."""
+    start = 0
+    for prefix_start, prefix_len, lens in zip(layout.prefix_starts, layout.prefix_lens, layout.response_lens):
+        yield prefix_start, prefix_len, start, start + sum(lens)
+        start += sum(lens)
+
+
+def _as_table(rows, device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def _causal_layout(layout: PrefixedLayout) -> PackedLayout:
+    """Piece B's layout: the responses as plain causal sequences, or the segments' tree."""
 
     def build():
-        query_tiles, key_tiles, start = [], [], 0
-        for prefix_start, prefix_len, lens in zip(layout.prefix_starts, layout.prefix_lens, layout.response_lens):
-            end = start + sum(lens)
-            query_tiles += [(s, min(s + BLOCK, end), prefix_start, prefix_len) for s in range(start, end, BLOCK)]
-            key_tiles += [(prefix_start + j, prefix_start + min(j + BLOCK, prefix_len), j, start, end)
-                          for j in range(0, prefix_len, BLOCK)]
-            start = end
         lens = tuple(r for rs in layout.response_lens for r in rs)
         if layout.is_tree:
             # the segments' own tree (positions from 0: piece B's window reads differences only)
             parents = tuple(n.parent for n in layout.nodes[: len(lens)])
-            causal = TreeLayout(lens, parents, layout.pad_len, layout.device)
-        else:
-            causal = DualKVLayout(lens, ((),) * len(lens), layout.pad_len, layout.device)
-        as_table = lambda rows: torch.tensor(rows, dtype=torch.int32, device=layout.device)  # noqa: E731
-        return as_table(query_tiles), as_table(key_tiles), causal
+            return TreeLayout(lens, parents, layout.pad_len, layout.device)
+        return DualKVLayout(lens, ((),) * len(lens), layout.pad_len, layout.device)
 
-    return layout.derived("prefix_attn_tables", build)
+    return layout.derived("prefix_attn_causal", build)
 
 
-def _flags(q, prefix_k, window_size, softcap):
+def _flags(q, prefix_k, window_size, softcap, cfg: KernelConfig):
     D = q.shape[2]
-    return dict(GROUP=q.shape[1] // prefix_k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BLOCK,
-                BLOCK_N=BLOCK, HAS_WINDOW=window_size is not None, HAS_SOFTCAP=softcap is not None)
+    return dict(GROUP=q.shape[1] // prefix_k.shape[1], HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=window_size is not None,
+                HAS_SOFTCAP=softcap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _scalars(scale, window_size, softcap):
@@ -222,8 +246,9 @@ class _PrefixAttnTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, prefix_k, prefix_v, layout, scale, window_size, softcap, deterministic):
         T, Hq, D = q.shape
-        query_tiles, key_tiles, causal = _tables(layout)
-        t = kernel_tables(causal, D, k.shape[1], deterministic, False, window_size, q.dtype)
+        t = kernel_tables(_causal_layout(layout), D, k.shape[1], deterministic, False, window_size, q.dtype)
+        cfg = _configs(D, q.device, q.dtype)["fwd"]
+        query_tiles = _query_tiles(layout, cfg.block_m)
         out_b, lse_b = _fwd(q, k, v, t.fwd_tiles, t.pieces, scale, window_size, softcap, False)
         out_a = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
         lse_a = torch.full((Hq, T), float("-inf"), device=q.device, dtype=torch.float32)
@@ -233,7 +258,7 @@ class _PrefixAttnTriton(torch.autograd.Function):
                 q, prefix_k, prefix_v, out_a, lse_a, positions, query_tiles, q.stride(0), q.stride(1),
                 prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1), out_a.stride(0),
                 out_a.stride(1), T, *_scalars(scale, window_size, softcap), NUM_HEADS=Hq,
-                **_flags(q, prefix_k, window_size, softcap))
+                **_flags(q, prefix_k, window_size, softcap, cfg))
         # the merge: the softmax over both key sets (module docstring), in float32
         lse = torch.logaddexp2(lse_a, lse_b)
         weight = lambda piece_lse: torch.exp2(piece_lse - lse).t().unsqueeze(-1)  # noqa: E731
@@ -251,23 +276,24 @@ class _PrefixAttnTriton(torch.autograd.Function):
         # piece B on the merged (out, lse): its exact share (module docstring)
         dq_b, dk, dv = _bwd(dout, q, k, v, out, lse, t.dq_tiles, t.pieces, t.kv_items, t.kv_reduce, t.num_slots,
                             t.positions, scale, window_size, softcap, deterministic, False)
-        query_tiles, key_tiles, _ = _tables(layout)
+        configs = _configs(D, q.device, q.dtype)
+        query_tiles, key_tiles = _query_tiles(layout, configs["dq"].block_m), _key_tiles(layout, configs["dkdv"].block_n)
         delta = (dout.float() * out.float()).sum(-1).t().contiguous()
         dq_a = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
         dpk, dpv = torch.zeros_like(prefix_k), torch.zeros_like(prefix_v)
         positions = layout.position_ids
-        flags = _flags(q, prefix_k, window_size, softcap)
         scalars = (scale, *_scalars(scale, window_size, softcap))
         if query_tiles.shape[0]:
             _prefix_dq_kernel[(query_tiles.shape[0] * Hq,)](
                 q, prefix_k, prefix_v, dout, dq_a, lse, delta, positions, query_tiles, q.stride(0), q.stride(1),
                 prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1), dout.stride(0),
-                dout.stride(1), dq_a.stride(0), dq_a.stride(1), T, *scalars, NUM_HEADS=Hq, **flags)
+                dout.stride(1), dq_a.stride(0), dq_a.stride(1), T, *scalars, NUM_HEADS=Hq,
+                **_flags(q, prefix_k, window_size, softcap, configs["dq"]))
             _prefix_dkdv_kernel[(key_tiles.shape[0] * prefix_k.shape[1],)](
                 q, prefix_k, prefix_v, dout, dpk, dpv, lse, delta, positions, key_tiles, q.stride(0), q.stride(1),
                 prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1), dout.stride(0),
                 dout.stride(1), dpk.stride(0), dpk.stride(1), dpv.stride(0), dpv.stride(1), T, *scalars,
-                NUM_KV_HEADS=prefix_k.shape[1], **flags)
+                NUM_KV_HEADS=prefix_k.shape[1], **_flags(q, prefix_k, window_size, softcap, configs["dkdv"]))
         dq = (dq_a + dq_b.float()).to(q.dtype)
         return dq, dk, dv, dpk, dpv, None, None, None, None, None
 

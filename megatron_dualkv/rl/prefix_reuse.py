@@ -21,8 +21,9 @@ Megatron's schedule, micro-batches in order):
    gradient once its layer has used it.
 
 With ``prefix_reuse_prompt_on_host`` in the model's config, what the prompt's forward saves for
-its backward (every layer's input under full recompute) waits in pinned host memory through the
-parts, so that a prompt too long to keep resident beside the held K/V still runs once.
+its backward (every layer's input under full recompute) waits in page-locked host memory through
+the parts (``host_stash``), so that a prompt too long to keep resident beside the held K/V still
+runs once.
 
 The gradient is the one-micro-batch step's: the prompt's forward is the same computation (DualKV
 attention makes prompt states independent of the responses), and every path from the loss to the
@@ -54,6 +55,7 @@ from ..layout import DualKVLayout, PrefixedLayout
 from ..packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
 from ..trajectories import (Trajectory, TrajectoryBatch, _loss_mask, _trajectory_tokens, held_path_len,
                            pack_trajectories)
+from .host_stash import host_stash
 
 
 class HeldPrompt:
@@ -314,8 +316,7 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
     held = HeldPrompt(len(prompt.tokens), torch.is_grad_enabled())
     config = get_attr_wrapped_model(model, "config")
     on_host = held.requires_grad and getattr(config, "prefix_reuse_prompt_on_host", False)
-    # pinned, so that the copies back in the prompt's backward do not wait on the host
-    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if on_host else nullcontext():
+    with host_stash().hooks() if on_host else nullcontext():
         hidden = tensor_parallel_rows(model, packed_output(model, prompt.batch, held))
     layers = config.num_layers
     if len(held.kv) != layers:

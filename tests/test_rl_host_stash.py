@@ -1,0 +1,54 @@
+"""``rl.host_stash``: saved tensors in host slabs at their own sizes, the slabs kept from one use to
+the next, parameters left where they are, and a backward through the stash equal to one without."""
+import torch
+
+from megatron_dualkv.rl.host_stash import ALIGN, HostStash
+
+
+def test_pieces_are_aligned_and_consecutive_and_a_large_one_gets_its_own_slab():
+    stash = HostStash(pin=False, slab_bytes=4096)
+    a, b = stash.take(100), stash.take(3000)
+    assert (a.numel(), b.numel()) == (100, 3000)
+    assert (a.data_ptr(), b.data_ptr() - a.data_ptr()) == (stash.slabs[0].data_ptr(), ALIGN)
+    c = stash.take(1000)  # 512 + 3072 + 1024 > 4096: the next slab
+    big = stash.take(10_000)
+    assert [s.numel() for s in stash.slabs] == [4096, 4096, 10_240]
+    assert c.data_ptr() == stash.slabs[1].data_ptr() and big.data_ptr() == stash.slabs[2].data_ptr()
+
+
+def test_the_slabs_are_kept_for_the_next_use_and_one_too_small_is_replaced():
+    stash = HostStash(pin=False, slab_bytes=4096)
+    with stash.hooks():
+        pieces = [stash.take(n) for n in (3000, 3000)]
+    reserved, first = stash.reserved_bytes, pieces[0].data_ptr()
+    with stash.hooks():
+        assert stash.take(3000).data_ptr() == first
+        stash.take(3000)
+    assert stash.reserved_bytes == reserved
+    with stash.hooks():
+        stash.take(8000)  # larger than the kept first slab: it is replaced
+    assert [s.numel() for s in stash.slabs] == [8192, 4096]
+
+
+def test_a_backward_through_the_stash_equals_one_without_and_parameters_stay():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 24).double()
+    x = torch.randn(10, 24, dtype=torch.float64, requires_grad=True)
+
+    def grads(stash=None):
+        layer.zero_grad()
+        x.grad = None
+        with stash.hooks() if stash is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = torch.tanh(layer(torch.sin(x))).pow(2).sum()
+        loss.backward()
+        return x.grad.clone(), layer.weight.grad.clone()
+
+    expected = grads()
+    stash = HostStash(pin=False, slab_bytes=1024)
+    packed, real = [], stash._pack
+    stash._pack = lambda t: packed.append((t, real(t))) or packed[-1][1]
+    for got, want in zip(grads(stash), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    kept = [t for t, p in packed if p is t]
+    assert kept and all(isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) for t in kept)
+    assert len(kept) < len(packed) and stash.reserved_bytes > 0
