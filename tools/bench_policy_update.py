@@ -681,7 +681,8 @@ def plot(results: List[Result], path: Path, baseline: str) -> None:
         axes[0].bar(xs, [by_label.get(label, missing).tokens_per_s for label in labels], width, label=name)
         axes[1].bar(xs, [100 * by_label.get(label, missing).mfu for label in labels], width, label=name)
     for ax, title in zip(axes, ("rollout tokens / s (policy-update step)", f"MFU % (matmul peak {' / '.join(peaks)} TFLOP/s)")):
-        ax.set_xticks(range(len(labels)), [f"{m}\n{n} x {p} x {r}" for m, n, p, r in labels], fontsize=7)
+        ax.set_xticks(range(len(labels)), [f"{m}\n{n} x {p} x {r}" for m, n, p, r in labels], fontsize=7, rotation=30,
+                      ha="right")
         ax.set_title(title)
         ax.legend()
     fig.tight_layout()
