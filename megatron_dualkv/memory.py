@@ -567,25 +567,22 @@ class MemoryModel:
         held K/V and their gradients; in the prompt's one backward, a layer's backward at the prompt's
         length with that layer's saved tensors back from the host, beside the held gradients (the held
         copies are dropped by then, and each layer's gradient once used)."""
-        static = dict(self.static_parts(pp_rank))
         part_tokens = max(tokens - held, 1)
-        per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
-        parts = {**static,
-                 "activations": (per_token * part_tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank))
-                 * self.in_flight_micro_batches(num_micro_batches, pp_rank),
-                 "transient": self.transient_bytes(part_tokens, min(rows, part_tokens), recompute, recompute_layers,
-                                                   pp_rank, layout),
-                 "held prompt": self.held_prompt_bytes(held, recompute, recompute_layers, pp_rank, prompt_on_host=True)}
+        parts = self._micro_batch_estimate(
+            part_tokens, min(rows, part_tokens), recompute, recompute_layers, num_micro_batches, pp_rank, layout,
+            self.held_prompt_bytes(held, recompute, recompute_layers, pp_rank, prompt_on_host=True))
         layers = [(n, m) for chunk in chunk_layers(self.config, self.sizes, pp_rank)
                   for n, m in zip(chunk, layer_modes(recompute, recompute_layers, chunk))]
         one_layer = max(layer_activation_bytes(self.config, n, self.sizes, m, layout, *self._spec) for n, m in layers)
-        backward = {**static,
+        backward = {**self.static_parts(pp_rank),
                     "activations": one_layer * held,
                     "transient": self.transient_bytes(held, 1, recompute, recompute_layers, pp_rank, layout),
                     "held prompt": self._held_rows_bytes(held, lambda layer_mode: 2, recompute, recompute_layers,
                                                          pp_rank)}
-        on_host = per_token * held  # what the prompt's forward saves, all of it copied out
-        return max(MemoryEstimate(parts, on_host), MemoryEstimate(backward, on_host), key=lambda estimate: estimate.total)
+        # what the prompt's forward saves, all of it copied out
+        on_host = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout) * held
+        return max(MemoryEstimate(parts.parts, on_host), MemoryEstimate(backward, on_host),
+                   key=lambda estimate: estimate.total)
 
     # ---------------------------------------------------------------- totals
     def predict(self, tokens: int, predicting_rows: Optional[int] = None, recompute: str = "none",
@@ -603,13 +600,23 @@ class MemoryModel:
         if held_prompt_tokens and prompt_on_host:
             return self._prompt_on_host_peak(tokens, rows, recompute, recompute_layers, num_micro_batches, pp_rank,
                                              layout, held_prompt_tokens)
+        held = (self.held_prompt_bytes(held_prompt_tokens, recompute, recompute_layers, pp_rank)
+                if held_prompt_tokens else None)
+        return self._micro_batch_estimate(tokens, rows, recompute, recompute_layers, num_micro_batches, pp_rank, layout,
+                                          held)
+
+    def _micro_batch_estimate(self, tokens: int, rows: int, recompute: str, recompute_layers: Optional[int],
+                              num_micro_batches: int, pp_rank: int, layout: str,
+                              held_bytes: Optional[float]) -> MemoryEstimate:
+        """The static parts, the in-flight micro-batches' activations, one backward's transient, and
+        what prefix reuse holds beside them (``held_bytes``; None: no part "held prompt")."""
         parts = dict(self.static_parts(pp_rank))
         per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
         per_micro_batch = per_token * tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank)
         parts["activations"] = per_micro_batch * self.in_flight_micro_batches(num_micro_batches, pp_rank)
         parts["transient"] = self.transient_bytes(tokens, rows, recompute, recompute_layers, pp_rank, layout)
-        if held_prompt_tokens:
-            parts["held prompt"] = self.held_prompt_bytes(held_prompt_tokens, recompute, recompute_layers, pp_rank)
+        if held_bytes is not None:
+            parts["held prompt"] = held_bytes
         return MemoryEstimate(parts)
 
     def peak(self, *args, **kwargs) -> MemoryEstimate:

@@ -40,6 +40,7 @@ def one_gdn_layer(card_name: str):
 
 
 def run_workload(layer, n: int, p: int, r: int, backend: str):
+    os.environ["DUALKV_GDN_BACKEND"] = backend  # what the layer's "auto" runs
     hidden, device = layer.config.hidden_size, next(layer.parameters()).device
     layout = DualKVLayout((p,), ((r,) * n,)).to(device)
     packed = dict(packed_seq_params=DualKVPackedSeqParams.from_layout(layout))
@@ -48,7 +49,6 @@ def run_workload(layer, n: int, p: int, r: int, backend: str):
     for part, module in (("layer", layer), ("mixer", layer.self_attention)):
         for name, (shape, kwargs) in shapes.items():
             x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
-            os.environ["DUALKV_GDN_BACKEND"] = backend
             row = dict(workload=f"{n}x{p}x{r}", backend=backend, part=part, layout=name, tokens=shape[0] * shape[1],
                        **measure(module, x, **kwargs))
             rows.append(row)
@@ -75,7 +75,8 @@ def main():
     path = os.path.join(args.out, "gdn_layer.csv")
     print(f"\n{torch.cuda.get_device_name()}, {args.card} GDN layer, bf16; CSV: {path}")
     write_table(rows, path, [
-        ("workload", "workload", "14"), ("backend", "backend", "7"), ("part", "part", "6"), ("layout", "layout", "11"), ("tokens", "tokens", "7"),
+        ("workload", "workload", "14"), ("backend", "backend", "7"), ("part", "part", "6"), ("layout", "layout", "11"),
+        ("tokens", "tokens", "7"),
         ("fwd_ms", "fwd ms", "8.2f"), ("fwd_bwd_ms", "fwd+bwd ms", "11.2f"), ("peak_gib", "peak GiB", "9.2f")])
     for (n, p, r) in workloads:
         rho = n * (p + r) / (p + n * r)

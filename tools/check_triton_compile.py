@@ -2,14 +2,14 @@
 
 The ops run on small CPU tensors, choosing what they would choose on the GPU (its block configs,
 TMA from sm_90 on), and each kernel launch is replaced by a compile for the target: source to
-cubin through ``ptxas``, no launch and no output; a kernel over a block's shared memory fails, as its
-launch would. Attention runs on a DualKV layout and on a prefix tree (the forward and dQ kernels'
-multi-range variants), and against a prompt held apart
-(``dualkv_prefix_attn``: its prefix kernels with a window and softcap). The gated delta rule's
-chunk state scan compiles once, in float32 at Dk = Dv = 128 and chunks of 64. A kernel that the
-GPU's Triton would refuse (a type error, shared memory over the limit, an unsupported op) fails
-here in seconds instead of in a device call. The interpreter that runs the CPU tests does not type-check,
-and it has no shared-memory limit.
+cubin through ``ptxas``, no launch and no output. Attention runs on a DualKV layout and on a
+prefix tree (the forward and dQ kernels' multi-range variants), and against a prompt held apart
+(``dualkv_prefix_attn``: its prefix kernels, at the GPU's blocks, with a window and softcap). The
+gated delta rule's chunk state scan compiles once, in float32 at Dk = Dv = 128 and chunks of 64.
+A kernel that the GPU would refuse (a type error, an unsupported op, or shared memory over the
+block's limit, which a compile does not check and a launch does) fails here in seconds instead of
+in a device call. The interpreter that runs the CPU tests does not type-check, and it has no
+shared-memory limit.
 
 Use the Triton version of the GPU machine: it is the one that decides. For example:
 
@@ -100,7 +100,6 @@ def compile_instead_of_launch(arch: int) -> list:
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-        # a launch checks this, a compile does not
         limit = SHARED_MEMORY.get(arch)
         if limit is not None and kernel.metadata.shared > limit:
             raise RuntimeError(f"{self.fn.__name__} needs {kernel.metadata.shared} B of shared memory, over "

@@ -39,9 +39,9 @@ class DualKVTransformerConfig(TransformerConfig):
     prefix_reuse_prompt_on_host: bool = False
     """Prefix reuse (``rl.prefix_reuse``): what the held prompt's forward saves for its backward waits
     in page-locked host memory while the response parts run (``rl.host_stash``: pieces at their own
-    sizes, parameters left in place), and its backward copies each tensor back when it needs it. For prompts whose saved activations, with
-    the held K/V and their gradients, would not fit beside a part (``MemoryModel``'s
-    ``prompt_on_host``)."""
+    sizes, parameters left in place), and its backward copies each tensor back when it needs it. For
+    prompts whose saved activations, with the held K/V and their gradients, would not fit beside a
+    part (``MemoryModel``'s ``prompt_on_host``)."""
 
     # YaRN RoPE (position_embedding_type="yarn"): Megatron's GPTModel reads these fields by name
     # without defaults, and its attention applies the attention factor ("mscale") they give to cos

@@ -28,8 +28,9 @@ u_c = U0_c - W_c S_c recomputed, and dS_c the gradient after chunk c (kept by th
     dU0_c = du_c    dW_c = -du_c S_c^T    dR_c = dO_c S_c^T    dA_c = dO_c u_c^T
     dE_c = u_c dS_c^T    dd_c = sum(S_c * dS_c)    dS_0 = the scan's last dS
 
-Status: run on the CPU interpreter only. ``gated_delta_rule``'s "auto" backend does not take it
-until a GPU test has run it (its "triton" backend does).
+Status: exact on the CPU interpreter; its first GPU launch was refused for shared memory (now one
+pipeline stage, ``NUM_STAGES``), so it has not yet run on a GPU. ``gated_delta_rule``'s "auto"
+backend does not take it until a GPU test has run it (its "triton" backend does).
 """
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ class HostStash:
         self.pin, self.slab_bytes = pin, slab_bytes
         self.slabs: List[torch.Tensor] = []
         self.slab, self.offset = 0, 0
-        # the slabs stay page-locked until the stash goes; unregistered before their memory is freed
-        self._release = weakref.finalize(self, _unpin, self.slabs) if pin else None
+        if pin:  # the slabs stay page-locked until the stash goes; unregistered before their memory is freed
+            weakref.finalize(self, _unpin, self.slabs)
 
     @property
     def reserved_bytes(self) -> int:
