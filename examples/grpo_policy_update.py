@@ -247,7 +247,7 @@ from megatron_dualkv import (  # noqa: E402
 )
 from megatron_dualkv.mcore import ParallelSizes, use_fused_adam  # noqa: E402
 from megatron_dualkv.mcore.parallel import current_parallel_sizes, micro_batch_token_multiple  # noqa: E402
-from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget  # noqa: E402
+from megatron_dualkv.memory import DEFAULT_MARGIN, Fit, MemoryModel, device_budget, use_expandable_segments  # noqa: E402
 from megatron_dualkv.models import (  # noqa: E402
     ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
     weights_only,
@@ -1092,6 +1092,7 @@ def _shown(path: Path) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
+    use_expandable_segments()
     try:
         train(args)
     except (InputError, RolloutFileError) as err:

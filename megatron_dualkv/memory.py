@@ -752,6 +752,15 @@ def host_budget(share: float = HOST_SHARE) -> float:
     return psutil.virtual_memory().total * share / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
+def use_expandable_segments() -> None:
+    """Let torch's CUDA allocator grow its segments in place (``expandable_segments``) unless the user
+    has configured it (``PYTORCH_CUDA_ALLOC_CONF``); call before the first CUDA allocation. Long packed
+    micro-batches allocate tensors of several GiB whose sizes change from layer to layer and between
+    a held prompt's forward, its parts and its backward; fixed segments then strand free memory that
+    no request fits, which the memory model's margin does not cover."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def device_budget(device=None, margin: float = DEFAULT_MARGIN) -> float:
     """The device's memory less ``margin`` of it (the allocator's fragmentation and the CUDA context are
     not in the model)."""

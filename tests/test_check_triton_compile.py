@@ -21,9 +21,10 @@ def test_kernels_compile_for_hopper():
     result = check("--head-dims", "64", "--dtypes", "bf16")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sm_90" in result.stdout and "FAILED" not in result.stdout
-    # four attention variants on a DualKV layout, two on a tree, one against a prompt held apart, elementwise,
-    # the gated delta rule's state scan
-    assert result.stdout.count("ok ") == 9
+    # four attention variants on a DualKV layout, two on a tree, two against a prompt held apart (with a
+    # window, whose dK/dV blocks differ, and without), elementwise, the gated delta rule's state scan
+    assert result.stdout.count("ok ") == 10
+    assert "ok     attention prefix D=64 bf16 (" in result.stdout
     assert "ok     attention tree D=64 bf16 window=16 (" in result.stdout
     assert "ok     attention prefix D=64 bf16 window=50 softcap=30.0 (" in result.stdout
     # each direction of rms_norm, rms_norm_rope and geglu, row_gather_sum

@@ -146,11 +146,13 @@ def test_triton_within_the_flash_bound(groups, pad_len, heads, d, window, softca
 @triton_interpreter
 def test_triton_with_unequal_blocks_per_pass_within_the_flash_bound(monkeypatch):
     """The passes' blocks as on a GPU, each its own (the forward's query tiles 32 rows, dQ's 16, dK/dV's
-    key tiles 32 against query blocks of 16): every table follows its pass's blocks."""
+    key tiles 32 against query blocks of 16, as the window's dK/dV blocks): every table follows its
+    pass's blocks."""
     from megatron_dualkv.ops import dualkv_prefix_attn
     from megatron_dualkv.ops.dualkv_attn import KernelConfig
 
-    blocks = {"fwd": KernelConfig(32, 16, 1, 1), "dq": KernelConfig(16, 32, 1, 1), "dkdv": KernelConfig(16, 32, 1, 1)}
+    blocks = {"fwd": KernelConfig(32, 16, 1, 1), "dq": KernelConfig(16, 32, 1, 1), "dkdv": KernelConfig(32, 16, 1, 1),
+              "dkdv_window": KernelConfig(16, 32, 1, 1)}
     monkeypatch.setattr(dualkv_prefix_attn, "kernel_config", lambda name, *args: blocks[name])
     kw = dict(window_size=45, softmax_scale=0.8 / 8**0.5)
     lengths = ((70, 9), ((33, 40), (21,)))

@@ -7,6 +7,7 @@ recompute must free exactly the norm outputs, rotated q and k and MLP activation
 scenarios of tests/distributed_worker.py.
 """
 import functools
+import weakref
 
 import pytest
 import torch
@@ -325,6 +326,21 @@ def test_checkpoint_without_output_gives_autograd_gradients(released):
     got = _step(x, weight, linear, checkpointed=True, released=released)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_restored_output_is_freed_with_its_consumers_saved_input():
+    """The restore hook lives as long as the graph; the recomputed output must not: it goes once
+    its consumer's backward has read it, while later layers' backward still runs."""
+    x = torch.randn(6, 8, requires_grad=True)
+    linear = torch.nn.Linear(8, 3)
+    y, release = checkpoint_without_output(torch.tanh, x)
+    z = linear(y)
+    release(z)
+    alive = weakref.ref(y)
+    del y, release
+    loss = z.sum()
+    loss.backward()
+    assert alive() is None and loss.grad_fn is not None
 
 
 def test_checkpoint_without_output_is_a_plain_call_without_autograd():

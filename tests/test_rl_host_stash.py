@@ -52,3 +52,30 @@ def test_a_backward_through_the_stash_equals_one_without_and_parameters_stay():
     kept = [t for t, p in packed if p is t]
     assert kept and all(isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) for t in kept)
     assert len(kept) < len(packed) and stash.reserved_bytes > 0
+
+
+def test_the_stash_counts_what_it_holds_from_each_start():
+    stash = HostStash(pin=False, slab_bytes=4096)
+    with stash.hooks():
+        stash.take(100), stash.take(3000), stash.take(5000)
+    assert stash.taken_bytes == 8100 and stash.reserved_bytes == 4096 + 5120
+    with stash.hooks():
+        stash.take(10)
+    assert stash.taken_bytes == 10
+
+
+def test_selective_recompute_keeps_its_outputs_inside_the_hooks():
+    """What a consumer saves is its copy in the stash: freeing the output there would save nothing
+    on the GPU, and its recompute would fill a storage that no one reads."""
+    from megatron_dualkv.mcore.recompute import checkpoint_without_output
+
+    x = torch.randn(6, 8, requires_grad=True)
+    linear = torch.nn.Linear(8, 3)
+    with HostStash(pin=False, slab_bytes=1024).hooks():
+        y, release = checkpoint_without_output(torch.tanh, x)
+        release(linear(y))
+    assert type(y.grad_fn).__name__ == "TanhBackward0"  # a plain call
+    assert y.untyped_storage().nbytes() == y.numel() * 4
+    y, release = checkpoint_without_output(torch.tanh, x)
+    release(linear(y))
+    assert y.untyped_storage().nbytes() == 0  # outside, the output is freed

@@ -359,7 +359,7 @@ def test_planned_tree_step_equals_the_one_micro_batch_step(model):
         torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("recompute", [None, "full"], ids=["no recompute", "full recompute"])
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
 def test_prompt_activations_on_the_host_give_the_same_step(monkeypatch, recompute):
     """``prefix_reuse_prompt_on_host``: the prompt's forward saves into the host stash (the parts'
     forwards do not), parameters stay where they are, and the step is still the one-micro-batch step."""
@@ -394,6 +394,31 @@ def test_the_prompt_backward_drops_the_held_copies_and_each_gradient_once_used(m
     step(model, split, GRPOLoss(clip_eps=0.2, kl_coef=0.05))
     layers = model.config.num_layers
     assert seen == [(layer, 0, layer) for layer in range(layers, 0, -1)]
+
+
+@pytest.mark.parametrize("recompute, on_host", [(None, False), ("selective", True)])
+def test_the_prompt_backward_frees_the_held_copies_the_last_part_still_references(monkeypatch, recompute, on_host):
+    """The last part's graph (alive until its backward call, which runs the prompt's, ends) references
+    the held leaves: the prompt's backward frees the storage of the copies and drops every .grad
+    there, and leaves the views (of what the prompt's backward reads) whole."""
+    from megatron_dualkv.rl import prefix_reuse
+    from megatron_dualkv.rl.host_stash import HostStash
+
+    monkeypatch.setattr(prefix_reuse, "host_stash", lambda: HostStash(pin=False, slab_bytes=4096))
+    model = build_model("qwen3-tiny", recompute=recompute, prefix_reuse_prompt_on_host=on_host).double()
+    held, real = [], prefix_reuse.HeldPrompt.backward
+
+    def spy(self):
+        held.append([(t, copied) for layer, pair in self.kv.items() for t, copied in zip(pair, self.copies[layer])])
+        real(self)
+
+    monkeypatch.setattr(prefix_reuse.HeldPrompt, "backward", spy)
+    _, split = whole_and_parts(model, PARTS)
+    step(model, split, GRPOLoss(clip_eps=0.2, kl_coef=0.05))
+    (tensors,) = held
+    assert all(copied == on_host for _, copied in tensors)  # a layer that keeps its k/v holds views
+    assert all(t.grad is None for t, _ in tensors)
+    assert all((t.numel() == 0) == copied for t, copied in tensors)
 
 
 def test_memory_model_with_the_prompt_on_the_host():

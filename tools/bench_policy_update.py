@@ -184,7 +184,8 @@ if __name__ == "__main__":
 import grpo_policy_update as policy_update  # noqa: E402
 from megatron_dualkv import (CostModel, DualKVLayout, PackedLayout, PrefixedLayout, RolloutGroup, Trajectory,  # noqa: E402
                              plan_micro_batches)
-from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, device_budget, setting_label  # noqa: E402
+from megatron_dualkv.memory import (DEFAULT_MARGIN, GIB, MemoryModel, device_budget, setting_label,  # noqa: E402
+                                    use_expandable_segments)
 from megatron_dualkv.models import load_card  # noqa: E402
 from megatron_dualkv.rl import ResponseTokens  # noqa: E402
 from megatron_dualkv.rl.host_stash import host_stash  # noqa: E402
@@ -276,7 +277,9 @@ def run_steps(policy, group, layout: str, max_tokens: int, repeats: int):
     def step(rollouts):
         return policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, step_layout, prefix_reuse=reuse)
 
-    step(warm_up_group(group, max_tokens, policy) if isinstance(group, RolloutGroup) and not reuse else rollouts)
+    warm = step(warm_up_group(group, max_tokens, policy) if isinstance(group, RolloutGroup) and not reuse else rollouts)
+    # a long step's first figures, for a run cut off or out of memory in the timed ones
+    print(f"  warm-up step: {warm.seconds:.4g} s, peak {warm.peak_memory_gib:.1f} GiB", flush=True)
     return [step(rollouts) for _ in range(repeats)]
 
 
@@ -536,8 +539,10 @@ def steps_that_fit(policy, rollouts, layout: str, max_tokens: int, repeats: int,
     except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
+        # torch's message says what was asked for, and how much is allocated against reserved
+        reason = " ".join(str(err).split())[:400]
     # outside the except block: the exception's frames, which hold the activations, are gone
-    print(f"  {label} at {max_tokens} tokens runs out of memory", flush=True)
+    print(f"  {label} at {max_tokens} tokens runs out of memory: {reason}", flush=True)
     free_memory()
     return None
 
@@ -550,7 +555,9 @@ def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> 
     result.recompute_flops = setting.recompute_flops / setting.useful_flops
     result.predicted_gib = setting.predicted_gib
     # the row prints once every layout has run; say this one's numbers now, for a run cut off later
-    host = f", {host_stash().reserved_bytes / GIB:.1f} GiB page-locked on the host" if setting.prompt_on_host else ""
+    stash = host_stash()
+    host = (f", {stash.reserved_bytes / GIB:.1f} GiB page-locked on the host for {stash.taken_bytes / GIB:.1f} GiB of "
+            "saved tensors" if setting.prompt_on_host else "")
     print(f"  measured: {result.step_s:.4g} s a step, {result.mfu:.1%} MFU, peak {result.peak_gib:.1f} GiB{host}", flush=True)
     return result
 
@@ -716,6 +723,7 @@ def measure_alone(name: str, args) -> List[Result]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    use_expandable_segments()
     if args.stack_dumps:
         faulthandler.dump_traceback_later(args.stack_dumps, repeat=True)
     args.memory_margin = DEFAULT_MARGIN if args.memory_margin is None else args.memory_margin

@@ -29,6 +29,7 @@ import itertools
 import os
 import sys
 import time
+from typing import Optional
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("check_triton_compile compiles kernels: unset TRITON_INTERPRET")
@@ -126,13 +127,13 @@ def attention_case(head_dim: int, dtype: torch.dtype, window, softcap, determini
     out.float().sum().backward()
 
 
-def prefix_attention_case(head_dim: int, dtype: torch.dtype):
-    """LAYOUT's responses against its prompt held apart, with a window and a softcap (every branch)."""
+def prefix_attention_case(head_dim: int, dtype: torch.dtype, window: Optional[int], softcap: Optional[float]):
+    """Responses against their prompt held apart; a window changes the dK/dV pass's blocks."""
     layout = PrefixedLayout((70,), ((33, 40),))
     q = torch.randn(layout.total_tokens, 4, head_dim, dtype=dtype, requires_grad=True)
     k, v, prefix_k, prefix_v = (torch.randn(n, 2, head_dim, dtype=dtype, requires_grad=True)
                                 for n in (layout.total_tokens, layout.total_tokens, 70, 70))
-    prefix.dualkv_prefix_attn_triton(q, k, v, prefix_k, prefix_v, layout, window_size=50, softcap=30.0).float().sum().backward()
+    prefix.dualkv_prefix_attn_triton(q, k, v, prefix_k, prefix_v, layout, window_size=window, softcap=softcap).float().sum().backward()
 
 
 def elementwise_cases(dtype: torch.dtype):
@@ -166,7 +167,9 @@ def cases(head_dims, dtypes):
                     f" softcap={softcap}" if softcap else "") + (" deterministic" if deterministic else "")
                 yield label, lambda d=d, dt=dtype, w=window, s=softcap, det=deterministic, lay=layout: attention_case(
                     d, dt, w, s, det, lay)
-        yield f"attention prefix D={d} {name} window=50 softcap=30.0", lambda d=d, dt=dtype: prefix_attention_case(d, dt)
+        yield f"attention prefix D={d} {name}", lambda d=d, dt=dtype: prefix_attention_case(d, dt, None, None)
+        yield f"attention prefix D={d} {name} window=50 softcap=30.0", lambda d=d, dt=dtype: prefix_attention_case(
+            d, dt, 50, 30.0)
     for name, dtype in dtypes.items():
         yield f"rms_norm, rms_norm_rope, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
     yield "chunk_state_scan fp32 Dk=128 Dv=128 L=64", chunk_state_scan_case

@@ -38,6 +38,7 @@ mechanism, which ``DualKVTransformerLayer`` turns on in them.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -102,6 +103,23 @@ def fully_recomputed(config: TransformerConfig, layer_in_chunk: int) -> bool:
     return config.recompute_method == "uniform" or layer_in_chunk <= config.recompute_num_layers
 
 
+_outputs_kept = 0  # depth of ``outputs_kept`` contexts
+
+
+@contextmanager
+def outputs_kept():
+    """Inside: ``checkpoint_without_output`` is a plain call. For saved-tensor hooks that copy what
+    the consumers save elsewhere (``rl.host_stash``): the consumer's copy is then not the output,
+    so freeing the output would save nothing, and its recompute in the backward would fill a
+    storage that no one reads."""
+    global _outputs_kept
+    _outputs_kept += 1
+    try:
+        yield
+    finally:
+        _outputs_kept -= 1
+
+
 def checkpoint_without_output(function: Callable[..., Tensor], *inputs, enabled: bool = True) -> Tuple[Tensor, Release]:
     """``function(*inputs)`` whose output can be freed and recomputed: (output, release).
 
@@ -111,10 +129,11 @@ def checkpoint_without_output(function: Callable[..., Tensor], *inputs, enabled:
         needs: a linear saves its input) and recomputes it into that storage when the gradient of
         ``consumer_output`` is computed, which must come before any backward that reads it. Without
         a call the output is kept, and recomputed only for this function's own backward.
-    Not ``enabled``, without grad mode, or when no input requires grad, it is a plain call and
-    release does nothing.
+    Not ``enabled``, without grad mode, inside ``outputs_kept``, or when no input requires grad, it
+    is a plain call and release does nothing.
     """
-    if not enabled or not torch.is_grad_enabled() or not any(isinstance(x, Tensor) and x.requires_grad for x in inputs):
+    if (not enabled or _outputs_kept or not torch.is_grad_enabled()
+            or not any(isinstance(x, Tensor) and x.requires_grad for x in inputs)):
         return function(*inputs), _keep
     slot: Dict[str, Any] = {}
     output = _WithoutSavedOutput.apply(function, slot, *inputs)
@@ -160,10 +179,13 @@ def _release(ctx, output: Tensor, consumer_output: Tensor) -> None:
     storage = output.untyped_storage()
     nbytes = storage.nbytes()
     storage.resize_(0)  # the tensor keeps its metadata; what the consumer saved is this tensor
-    consumer_output.register_hook(partial(_restore, ctx, output, nbytes))
+    # the hook lives as long as the graph (to the end of the whole backward): it holds the output
+    # only until it has run, so that the restored storage goes with the consumer's saved input
+    consumer_output.register_hook(partial(_restore, ctx, [output], nbytes))
 
 
-def _restore(ctx, output: Tensor, nbytes: int, grad: Tensor) -> None:
+def _restore(ctx, pending: list, nbytes: int, grad: Tensor) -> None:
+    output = pending.pop()
     ctx.recomputed = _recompute(ctx)
     output.untyped_storage().resize_(nbytes)
     # through .data: the consumer saved ``output`` and would take a bumped version counter for an in-place change

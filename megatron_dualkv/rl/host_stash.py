@@ -11,10 +11,13 @@ where they are. A stash serves one held prompt at a time: ``hooks()`` starts ove
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import List
 
 import torch
+
+from ..mcore.recompute import outputs_kept
 
 # Pieces start at multiples of this from their slab's start (itself 64-byte aligned), so that a
 # uint8 slab can be viewed as any dtype.
@@ -34,6 +37,7 @@ class HostStash:
         self.pin, self.slab_bytes = pin, slab_bytes
         self.slabs: List[torch.Tensor] = []
         self.slab, self.offset = 0, 0
+        self.taken_bytes = 0  # handed out since ``hooks()`` last started over: the slabs' content
         if pin:  # the slabs stay page-locked until the stash goes; unregistered before their memory is freed
             weakref.finalize(self, _unpin, self.slabs)
 
@@ -51,6 +55,7 @@ class HostStash:
             if self.offset + size <= slab.numel():
                 piece = slab[self.offset : self.offset + nbytes]
                 self.offset += size
+                self.taken_bytes += nbytes
                 return piece
             if self.offset == 0:  # a slab kept from an earlier step, too small for this piece
                 self._drop_slab(self.slab)
@@ -58,11 +63,15 @@ class HostStash:
             else:
                 self.slab, self.offset = self.slab + 1, 0
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+    @contextmanager
+    def hooks(self):
         """Hooks that keep every saved tensor but the parameters in this stash until the backward
-        unpacks it; they start over at the first slab, so the previous user's backward must be done."""
-        self.slab, self.offset = 0, 0
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        unpacks it; they start over at the first slab, so the previous user's backward must be done.
+        Selective recompute keeps its outputs inside (``outputs_kept``): what their consumers save
+        is the copy here."""
+        self.slab, self.offset, self.taken_bytes = 0, 0, 0
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), outputs_kept():
+            yield
 
     def _pack(self, tensor: torch.Tensor):
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):

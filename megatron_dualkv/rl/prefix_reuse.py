@@ -62,10 +62,12 @@ class HeldPrompt:
     """One step's prompt state: per layer number its (k, v) rows of the prompt, the last position's
     final hidden state, and (training) the prompt's graph to backpropagate once."""
 
-    def __init__(self, prompt_len: int, requires_grad: bool):
+    def __init__(self, prompt_len: int, requires_grad: bool, on_host: bool = False):
         self.prompt_len = prompt_len
         self.requires_grad = requires_grad
+        self.on_host = on_host  # the prompt's saved activations wait on the host (``host_stash``)
         self.kv: Dict[int, Tuple[Tensor, Tensor]] = {}
+        self.copies: Dict[int, Tuple[bool, bool]] = {}  # per layer: whether its held k / v is a copy of ours
         self.holding = True  # until the prompt's backward: its recompute computes the held values again
         # from the prompt's backward on: per layer, what the parts accumulated in its held k/v's .grad
         self.grads: Dict[int, Tuple[Optional[Tensor], Optional[Tensor]]] = {}
@@ -74,22 +76,26 @@ class HeldPrompt:
 
     def hold(self, layer: int, key: Tensor, value: Tensor, copy_key: bool) -> Tuple[Tensor, Tensor]:
         """What a layer's core attention calls on the prompt's k/v [t, heads, d]: they come back
-        unchanged, held (``HeldKV``)."""
-        return HeldKV.apply(self, layer, copy_key, key, value)
+        unchanged, held (``HeldKV``). ``copy_key``: the layer frees its key after its forward
+        (recompute_qk_norm_rope)."""
+        # Views only where the layer's own backward keeps its k/v on the GPU anyway: a training
+        # forward with grad, its saved tensors not on the host. Elsewhere (a layer recomputed whole,
+        # whose first forward runs without grad; a forward-only pass; the prompt on the host) a view
+        # of value would keep all of linear_qkv's output alive. Decided here: inside HeldKV's
+        # forward, grad mode is always off.
+        copy_both = not (self.requires_grad and torch.is_grad_enabled() and not self.on_host)
+        return HeldKV.apply(self, layer, (copy_key or copy_both, copy_both), key, value)
 
-    def keep(self, layer: int, key: Tensor, value: Tensor, copy_key: bool) -> None:
-        """Hold the prompt rows of ``key``/``value`` [t, heads, d] (first forward only: a recompute
-        of the layer in the prompt's backward computes the same values)."""
+    def keep(self, layer: int, key: Tensor, value: Tensor, copies: Tuple[bool, bool]) -> None:
+        """Hold the prompt rows of ``key``/``value`` [t, heads, d], each a copy or a view as
+        ``copies`` says (first forward only: a recompute of the layer in the prompt's backward
+        computes the same values)."""
         if not self.holding or layer in self.kv:
             return
         rows = slice(0, self.prompt_len)
-        # Copies where the layer does not keep them itself: a key it frees after its forward
-        # (recompute_qk_norm_rope); both in a layer recomputed whole, whose first forward runs
-        # without grad in a training step (a view would keep all of linear_qkv's output alive).
-        whole = self.requires_grad and not torch.is_grad_enabled()
-        k, v = key.detach()[rows], value.detach()[rows]
-        k, v = k.clone() if copy_key or whole else k, v.clone() if whole else v
-        self.kv[layer] = (k.requires_grad_(self.requires_grad), v.requires_grad_(self.requires_grad))
+        held = [x.detach()[rows].clone() if copy else x.detach()[rows] for x, copy in zip((key, value), copies)]
+        self.kv[layer] = tuple(x.requires_grad_(self.requires_grad) for x in held)
+        self.copies[layer] = copies
 
     def add_held_gradients(self, layer: int, dk: Tensor, dv: Tensor) -> Tuple[Tensor, Tensor]:
         out = []
@@ -106,13 +112,25 @@ class HeldPrompt:
         # The held copies are read no more: their gradients alone go on, each layer's freed once that
         # layer's backward has added it, so the backward's peak is not the parts' (``MemoryModel``).
         self.grads = {layer: (k.grad, v.grad) for layer, (k, v) in self.kv.items()}
+        self._free_held_copies()
         self.kv, self.holding = {}, False
         root, self.root = self.root, None
         torch.autograd.backward(root, grad)
         self.release()
 
+    def _free_held_copies(self) -> None:
+        """The last part's graph lives until its backward call, which runs the prompt's, has ended,
+        and it references the held leaves (their AccumulateGrad nodes) and so their .grad: free the
+        storage of our copies (views are of what the prompt's backward reads) and drop the
+        gradients, which ``self.grads`` hands out one layer at a time."""
+        for layer, held in self.kv.items():
+            for tensor, copied in zip(held, self.copies.get(layer, (False, False))):
+                tensor.grad = None
+                if copied:
+                    tensor.data = tensor.new_empty(0)
+
     def release(self) -> None:
-        self.kv, self.grads, self.root, self.last_hidden = {}, {}, None, None
+        self.kv, self.copies, self.grads, self.root, self.last_hidden = {}, {}, {}, None, None
 
 
 class HeldKV(torch.autograd.Function):
@@ -120,8 +138,8 @@ class HeldKV(torch.autograd.Function):
     gradient the response micro-batches accumulated in the held copies."""
 
     @staticmethod
-    def forward(ctx, held: HeldPrompt, layer: int, copy_key: bool, key: Tensor, value: Tensor):
-        held.keep(layer, key, value, copy_key)
+    def forward(ctx, held: HeldPrompt, layer: int, copies: Tuple[bool, bool], key: Tensor, value: Tensor):
+        held.keep(layer, key, value, copies)
         ctx.held, ctx.layer = held, layer
         return key.view_as(key), value.view_as(value)
 
@@ -313,9 +331,9 @@ def prefix_reuse_output(model, micro_batch, layout: str):
 def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
     from .logprobs import packed_output, tensor_parallel_rows
 
-    held = HeldPrompt(len(prompt.tokens), torch.is_grad_enabled())
     config = get_attr_wrapped_model(model, "config")
-    on_host = held.requires_grad and getattr(config, "prefix_reuse_prompt_on_host", False)
+    on_host = torch.is_grad_enabled() and getattr(config, "prefix_reuse_prompt_on_host", False)
+    held = HeldPrompt(len(prompt.tokens), torch.is_grad_enabled(), on_host)
     with host_stash().hooks() if on_host else nullcontext():
         hidden = tensor_parallel_rows(model, packed_output(model, prompt.batch, held))
     layers = config.num_layers
