@@ -571,16 +571,20 @@ class MemoryModel:
         parts = self._micro_batch_estimate(
             part_tokens, min(rows, part_tokens), recompute, recompute_layers, num_micro_batches, pp_rank, layout,
             self.held_prompt_bytes(held, recompute, recompute_layers, pp_rank, prompt_on_host=True))
-        layers = [(n, m) for chunk in chunk_layers(self.config, self.sizes, pp_rank)
-                  for n, m in zip(chunk, layer_modes(recompute, recompute_layers, chunk))]
-        one_layer = max(layer_activation_bytes(self.config, n, self.sizes, m, layout, *self._spec) for n, m in layers)
+        # On the host a layer keeps what autograd saves without selective recompute: that recompute
+        # frees outputs on the GPU after their consumers saved them, and here the consumers' saves
+        # are the copies (``recompute.outputs_kept``). Layers recomputed whole keep their inputs.
+        host_layer_bytes = [layer_activation_bytes(self.config, n, self.sizes, "full" if m == "full" else "none", layout,
+                                                   *self._spec)
+                            for chunk in chunk_layers(self.config, self.sizes, pp_rank)
+                            for n, m in zip(chunk, layer_modes(recompute, recompute_layers, chunk))]
+        one_layer = max(host_layer_bytes)
         backward = {**self.static_parts(pp_rank),
                     "activations": one_layer * held,
                     "transient": self.transient_bytes(held, 1, recompute, recompute_layers, pp_rank, layout),
                     "held prompt": self._held_rows_bytes(held, lambda layer_mode: 2, recompute, recompute_layers,
                                                          pp_rank)}
-        # what the prompt's forward saves, all of it copied out
-        on_host = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout) * held
+        on_host = sum(host_layer_bytes) * held  # what the prompt's forward saves, all of it copied out
         return max(MemoryEstimate(parts.parts, on_host), MemoryEstimate(backward, on_host),
                    key=lambda estimate: estimate.total)
 

@@ -79,3 +79,36 @@ def test_selective_recompute_keeps_its_outputs_inside_the_hooks():
     y, release = checkpoint_without_output(torch.tanh, x)
     release(linear(y))
     assert y.untyped_storage().nbytes() == 0  # outside, the output is freed
+
+
+def test_a_slab_holding_a_large_piece_still_takes_smaller_ones():
+    stash = HostStash(pin=False, slab_bytes=4096)
+    with stash.hooks():
+        first, second, small = stash.take(3000), stash.take(3000), stash.take(500)
+    assert len(stash.slabs) == 2 and small.data_ptr() == first.data_ptr() + 3072
+    assert second.data_ptr() == stash.slabs[1].data_ptr()
+
+
+def test_a_storage_range_saved_twice_is_copied_once_and_a_changed_one_again():
+    """sin and cos both save x, and sin of a reshaped view saves its bytes again: one copy. After an
+    in-place change (a new version) the same bytes are copied again, so each backward reads the
+    values its forward saw."""
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    stash = HostStash(pin=False, slab_bytes=1 << 16)
+    with stash.hooks():
+        loss = (x.sin() + x.cos()).sum() + x.view(-1).sin().sum()
+    assert stash.taken_bytes == x.numel() * 8
+    loss.backward()
+    x0 = x.detach()
+    torch.testing.assert_close(x.grad, 2 * x0.cos() - x0.sin(), rtol=0, atol=1e-12)
+
+    x.grad = None
+    with stash.hooks():
+        y = x * 1.0
+        a = y.sin()
+        y.mul_(2)
+        b = y.sin()
+        transposed = x.t().sin()  # not contiguous: a copy of its own
+    assert stash.taken_bytes == 3 * x.numel() * 8
+    (a.sum() + b.sum() + transposed.sum()).backward()
+    torch.testing.assert_close(x.grad, 2 * x0.cos() + 2 * (2 * x0).cos(), rtol=0, atol=1e-12)

@@ -432,6 +432,13 @@ def test_memory_model_with_the_prompt_on_the_host():
     per_row = config.num_layers * config.num_query_groups * config.kv_channels * 2 * 1000
     on_host = memory.predict(1060, 60, recompute="full", held_prompt_tokens=1000, prompt_on_host=True)
     assert on_host.host == memory.activation_bytes_per_token("full") * 1000
+    # selective recompute saves nothing on the host: its consumers' copies are there
+    selective = dict(held_prompt_tokens=1000, prompt_on_host=True, recompute="selective")
+    assert memory.predict(1060, 60, **selective).host == memory.activation_bytes_per_token("none") * 1000
+    layer_none = memory.activation_bytes_per_token("none") / config.num_layers
+    layer_full = memory.activation_bytes_per_token("full") / config.num_layers
+    assert memory.predict(1060, 60, **selective, recompute_layers=1).host == pytest.approx(
+        (layer_full + (config.num_layers - 1) * layer_none) * 1000)
     assert on_host.parts["held prompt"] in (4 * per_row, 2 * per_row)
     part_alone = memory.predict(60, 60, recompute="full")
     assert on_host.total >= part_alone.total + 4 * per_row
