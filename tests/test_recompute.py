@@ -343,6 +343,19 @@ def test_a_restored_output_is_freed_with_its_consumers_saved_input():
     assert alive() is None and loss.grad_fn is not None
 
 
+def test_a_retained_graph_backpropagates_twice_through_a_released_output():
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    linear = torch.nn.Linear(8, 3, dtype=torch.float64)
+    y, release = checkpoint_without_output(torch.tanh, x)
+    z = linear(y)
+    release(z)
+    loss = z.pow(2).sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * first, rtol=0, atol=1e-12)
+
+
 def test_checkpoint_without_output_is_a_plain_call_without_autograd():
     x = torch.randn(4, 5)
     with torch.no_grad():

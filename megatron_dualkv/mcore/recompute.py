@@ -185,6 +185,8 @@ def _release(ctx, output: Tensor, consumer_output: Tensor) -> None:
 
 
 def _restore(ctx, pending: list, nbytes: int, grad: Tensor) -> None:
+    if not pending:
+        return  # a second backward through a retained graph: restored by the first
     output = pending.pop()
     ctx.recomputed = _recompute(ctx)
     output.untyped_storage().resize_(nbytes)
