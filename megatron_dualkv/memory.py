@@ -293,20 +293,23 @@ def _gated_delta_net_tensors(config, b: int) -> List[SavedTensor]:
     one 16-response group (17 segments): 24 GDN layers x 17 x (2 MiB + 48 KiB) = 0.82 GiB, under 1%
     of those layers' 150 KiB per token at 24,576 tokens (85 GiB).
 
-    Selective recompute frees nothing here beyond the layer's norm outputs and MLP activation: every
-    other tensor is a matmul's or the conv's output or the kernel's own, which only re-running
-    in_proj, the conv or the kernel would give back (the full recompute of the layer)."""
+    Selective recompute frees, beside the layer's norm outputs and MLP activation, the conv's
+    output before the SiLU (the conv is recomputed from its input, which it keeps instead of the
+    gathered one, as large) and the gated norm's output. The rest is a matmul's output or the
+    kernel's own, which only re-running in_proj or the kernel would give back (the full recompute
+    of the layer). The conv's output after the SiLU is not kept: the kernel copies q, k and v."""
     gdn = _GatedDeltaNetWidths.of(config)
     return [
-        SavedTensor("short conv: its input gathered with each segment's carried-in rows", gdn.conv, b),
-        SavedTensor("short conv: its output before the SiLU", gdn.conv, b),
+        SavedTensor("short conv: its input (gathered with each segment's carried-in rows, or kept for its "
+                    "recompute)", gdn.conv, b),
+        SavedTensor("short conv: its output before the SiLU", gdn.conv, b, freed_by="recompute_activations"),
         SavedTensor("beta and the decay g (fp32)", 2 * gdn.value_heads, 4),
         SavedTensor("delta rule: its L2-normed q and k, and v", gdn.conv, b),
         SavedTensor("delta rule: q and k's rstd, the decay's chunk cumsum (fp32)", 2 * gdn.key_heads + gdn.value_heads, 4),
         SavedTensor("delta rule: A, each value head's row of its chunk's matrix", GDN_CHUNK_SIZE * gdn.value_heads, b),
         SavedTensor("delta rule: its output o, the gated norm's input", gdn.values, b),
         SavedTensor("gated norm: the gate z, copied out of in_proj's output per value head", gdn.values, b),
-        SavedTensor("gated norm: its output, out_proj's input", gdn.values, b),
+        SavedTensor("gated norm: its output, out_proj's input", gdn.values, b, freed_by="recompute_norms"),
         SavedTensor("input and pre-MLP norm statistics (fp32)", 2, 4, "seq"),
     ]
 

@@ -73,8 +73,10 @@ def test_a_gated_delta_net_layer_keeps_what_its_gpu_path_saves():
     assert memory.config.is_linear_attention(1)
     one = ParallelSizes()
     assert layer_activation_bytes(memory.config, 1, one, "none") == mixer + norms + mlp == 2632
-    # selective frees the norm outputs and the activation, nothing of the mixer
-    assert layer_activation_bytes(memory.config, 1, one, "selective") == mixer + norms + mlp - 2 * h - 2 * h - 2 * 128
+    # selective frees the norm outputs and the activation, and of the mixer the conv's output before
+    # its SiLU and the gated norm's output
+    assert layer_activation_bytes(memory.config, 1, one, "selective") == (
+        mixer + norms + mlp - 2 * h - 2 * h - 2 * 128 - 2 * conv - 2 * values)
     assert layer_activation_bytes(memory.config, 1, one, "full") == 2 * h
     moe = (4 * (4 + 10 * 2) + 2 * 2 * h + 2 * 2 * 2 * 32 + 2 * 3 * 2 * 32  # router, routed tokens, fc1, SwiGLU
            + 2 * 2 * 48 + 2 * 48 + 2 * (h + 1))  # the shared expert's fc1 and activation, its gate's factors

@@ -96,22 +96,36 @@ def test_bad_settings_name_what_is_wrong():
             kwargs(yarn)
 
 
-def test_the_gated_norm_keeps_only_its_inputs(model):
+@pytest.mark.parametrize("released", [False, True], ids=["kept", "released"])
+def test_the_gated_norm_keeps_only_its_inputs(model, released):
     """Its float32 chain (five value-sized float32 tensors a token) is recomputed in the backward,
     not kept: the forward saves the output o and the gate z alone, and the gradients are the plain
-    chain's, bitwise."""
+    chain's, bitwise; its output released after its consumer (selective recompute) too."""
     mixer = next(layer.self_attention for layer in model.decoder.layers if model.config.is_linear_attention(
         layer.layer_number))
     out, gate = (torch.randn(7, 4, mixer.value_dim, requires_grad=True) for _ in range(2))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        lean = mixer._gated_norm_kept_lean(out, gate)
+    consumer = torch.nn.Linear(mixer.value_dim, 3)
+    dy = torch.randn(7, 4, 3)
+
+    def grads(lean: bool):
+        for t in (out, gate, mixer.norm_weight, consumer.weight):
+            t.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            normed, release = (mixer._gated_norm_kept_lean(out, gate, torch.float32) if lean
+                               else (mixer._gated_norm(out, gate, torch.float32), None))
+        y = consumer(normed)
+        if lean and released:
+            release(y)
+            assert normed.untyped_storage().nbytes() == 0
+        y.backward(dy)
+        return saved, [t.grad.clone() for t in (out, gate, mixer.norm_weight, consumer.weight)]
+
+    saved, got = grads(lean=True)
     parameters = {p.untyped_storage().data_ptr() for p in mixer.parameters()}
     kept = {t.untyped_storage().data_ptr() for t in saved} - parameters
     assert kept == {out.untyped_storage().data_ptr(), gate.untyped_storage().data_ptr()}
-    dy = torch.randn_like(lean)
-    expected = torch.autograd.grad(mixer._gated_norm(out, gate), (out, gate, mixer.norm_weight), dy)
-    for a, b in zip(torch.autograd.grad(lean, (out, gate, mixer.norm_weight), dy), expected):
+    for a, b in zip(got, grads(lean=False)[1]):
         assert torch.equal(a, b)
 
 

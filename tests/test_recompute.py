@@ -7,6 +7,7 @@ recompute must free exactly the norm outputs, rotated q and k and MLP activation
 scenarios of tests/distributed_worker.py.
 """
 import functools
+import math
 import weakref
 
 import pytest
@@ -146,8 +147,9 @@ def _is_linear_attention(config, layer_number: int) -> bool:
 
 
 def expected_release(config, num_tokens: int, layer_numbers) -> int:
-    """float32 bytes of the norm outputs (2 per layer), the rotated q (attention layers) and MLP
-    activations of these layers.
+    """float32 bytes of the norm outputs (2 per layer), the rotated q (attention layers), the gated
+    norm's output (GDN layers) and MLP activations of these layers; not the GDN conv's output
+    (``gdn_conv_release``).
 
     Of the rotated q and k only q: the CPU's attention (Megatron's DotProductAttention, the reference
     DualKV attention) saves a repeat_interleave'd copy of k for GQA, not k."""
@@ -157,7 +159,23 @@ def expected_release(config, num_tokens: int, layer_numbers) -> int:
         activations = num_tokens * config.ffn_hidden_size
     rotated_queries = sum(config.num_attention_heads * _attention_config(config, n).kv_channels for n in layer_numbers
                           if not _is_linear_attention(config, n))
-    return 4 * (len(layer_numbers) * (2 * num_tokens * config.hidden_size + activations) + num_tokens * rotated_queries)
+    gated_norms = sum(config.linear_num_value_heads * config.linear_value_head_dim for n in layer_numbers
+                      if _is_linear_attention(config, n))
+    return 4 * (len(layer_numbers) * (2 * num_tokens * config.hidden_size + activations)
+                + num_tokens * (rotated_queries + gated_norms))
+
+
+def gdn_conv_release(measured, config, layer_numbers) -> int:
+    """Released bytes counted in each GDN layer's mixer itself: its conv's output, freed once the
+    delta rule has saved its views of it (the CPU's delta rule saves per-level slices, so the count
+    is the first slice's), in every GDN layer of ``layer_numbers`` and nowhere else."""
+    total = 0
+    for n in range(1, config.num_layers + 1):
+        entries = measured.by_module.get(f"decoder.layers.{n - 1}.self_attention", [])
+        freed = [math.prod(shape) * dtype.itemsize for shape, dtype, nbytes in entries if nbytes == 0]
+        assert bool(freed) == (n in layer_numbers and _is_linear_attention(config, n)), n
+        total += sum(freed)
+    return total
 
 
 @pytest.mark.parametrize("card", CARDS)
@@ -172,8 +190,10 @@ def test_selective_recompute_frees_the_norm_outputs_and_activations(card):
     none, selective, selective_1 = measured[None, None], measured["selective", None], measured["selective", 1]
     config, tokens = ref_model.config, batch.num_tokens
     layers = range(1, config.num_layers + 1)
-    assert selective.released == expected_release(config, tokens, layers)
-    assert selective_1.released == expected_release(config, tokens, layers[1:])  # layer 1 recomputed whole
+    assert selective.released == expected_release(config, tokens, layers) + gdn_conv_release(selective, config, layers)
+    # layer 1 recomputed whole
+    assert selective_1.released == (expected_release(config, tokens, layers[1:])
+                                    + gdn_conv_release(selective_1, config, layers[1:]))
     assert none.released == measured["full", None].released == measured["full", 1].released == 0
     # what the recompute saves instead (the norms' inputs, fc1's output) was saved anyway
     assert selective.kept + selective.released <= none.kept

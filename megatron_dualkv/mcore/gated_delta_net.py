@@ -45,11 +45,11 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from ..layout import PackedLayout, TreeLayout
 from ..ops.causal_conv1d import causal_conv1d_func
 from ..ops.gated_delta_rule import gated_delta_rule_func
+from .recompute import Release, checkpoint_without_output
 
 # the parameters of the module itself that tensor parallelism splits along dim 0 (per value/conv channel)
 TP_SPLIT_PARAMETERS = {"conv_weight": 0, "A_log": 0, "dt_bias": 0}
@@ -63,7 +63,15 @@ class GatedDeltaNetSubmodules:
 
 class DualKVGatedDeltaNet(MegatronModule):
     """A GDN token mixer in the place of a ``TransformerLayer``'s self-attention: [s, b, h] ->
-    ([s, b, h], None). Its sizes are the config's ``linear_*`` fields (transformers' names)."""
+    ([s, b, h], None). Its sizes are the config's ``linear_*`` fields (transformers' names).
+
+    Selective recompute (set per layer by ``GatedDeltaNetLayer``): the conv's output (with its
+    SiLU) is freed once the delta rule has run, the gated norm's once ``out_proj`` has saved it,
+    and each is recomputed in the backward from what it kept: the conv from its input, without the
+    gathered input and the pre-SiLU output it would save, and the norm from o and the gate."""
+
+    recompute_conv = False  # with the layer's recompute_activations
+    recompute_gated_norm = False  # with the layer's recompute_norms
 
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, layer_number: int = 1, pg_collection=None, **kwargs):
         super().__init__(config)
@@ -128,13 +136,17 @@ class DualKVGatedDeltaNet(MegatronModule):
         qkv, z, b, a = torch.split(
             tokens, [self.conv_group_channels, self.values_per_key * self.value_dim, self.values_per_key,
                      self.values_per_key], dim=-1)
-        qkv = causal_conv1d_func(qkv.reshape(seq * batch, -1), self.conv_weight, layout, activation="silu")
+        conv = functools.partial(causal_conv1d_func, weight=self.conv_weight, layout=layout, activation="silu")
+        qkv, release_conv = checkpoint_without_output(conv, qkv.reshape(seq * batch, -1), enabled=self.recompute_conv)
         q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
                               [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
         out = self._delta_rule(q, k, v, b, a, layout)  # [T, local value heads, Dv]
-        out = self._gated_norm_kept_lean(out, z.reshape(out.shape)).to(hidden_states.dtype)
-        out = out.view(batch, seq, -1).transpose(0, 1)
-        return self.out_proj(out)
+        release_conv(out)
+        normed, release_norm = self._gated_norm_kept_lean(out, z.reshape(out.shape), hidden_states.dtype)
+        output = self.out_proj(normed.view(batch, seq, -1).transpose(0, 1))
+        if self.recompute_gated_norm:
+            release_norm(output[0])
+        return output
 
     def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, b: Tensor, a: Tensor, layout: PackedLayout) -> Tensor:
         """Each key head's q and k serve its value heads; beta and the log decay g in float32, as
@@ -146,16 +158,16 @@ class DualKVGatedDeltaNet(MegatronModule):
                                        qk_l2norm=True)
         return out
 
-    def _gated_norm_kept_lean(self, out: Tensor, gate: Tensor) -> Tensor:
-        """The gated norm, keeping only its inputs: its float32 chain would keep five float32
-        copies of the values per token (80 KiB a token at Qwen3.5-4B's widths, ten times out_proj's
-        input), and its backward recomputes them in a few elementwise kernels instead."""
-        if not torch.is_grad_enabled():
-            return self._gated_norm(out, gate)
-        return checkpoint(self._gated_norm, out, gate, use_reentrant=False)
+    def _gated_norm_kept_lean(self, out: Tensor, gate: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Release]:
+        """The gated norm, keeping only its inputs (``checkpoint_without_output``), and the release of
+        its output: its float32 chain would keep five float32 copies of the values per token (80 KiB
+        a token at Qwen3.5-4B's widths, ten times out_proj's input), and its backward recomputes them
+        in a few elementwise kernels instead."""
+        return checkpoint_without_output(functools.partial(self._gated_norm, dtype=dtype), out, gate)
 
-    def _gated_norm(self, out: Tensor, gate: Tensor) -> Tensor:
-        """RMSNorm over each head's values, times ``norm_weight`` and SiLU of the gate, in float32.
+    def _gated_norm(self, out: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
+        """RMSNorm over each head's values, times ``norm_weight`` and SiLU of the gate, in float32,
+        returned in ``dtype``.
 
         Every head shares ``norm_weight`` and each tensor-parallel rank holds some heads: the weight
         enters through Megatron's copy-to-TP-region, whose backward sums the ranks' gradients."""
@@ -163,7 +175,7 @@ class DualKVGatedDeltaNet(MegatronModule):
                                                                                                      self.tp_group)
         out = out.float()
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        return normed * weight.float() * F.silu(gate.float())
+        return (normed * weight.float() * F.silu(gate.float())).to(dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: Tuple = (), metadata: Optional[dict] = None,
                            tp_group=None):

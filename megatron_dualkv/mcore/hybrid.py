@@ -55,10 +55,19 @@ class HybridTransformerConfig(DualKVTransformerConfig):
 
 class GatedDeltaNetLayer(DualKVTransformerLayer):
     """A ``DualKVTransformerLayer`` whose mixer is a GDN: its selective recompute frees the norm
-    outputs and the MLP activation; it has no q/k norms or RoPE to recompute."""
+    outputs and the MLP activation, and in the mixer the gated norm's output (with the norms) and
+    the conv's (with the activations); it has no q/k norms or RoPE to recompute."""
+
+    def _recompute_norm_outputs(self) -> None:
+        super()._recompute_norm_outputs()
+        self.self_attention.recompute_gated_norm = True
 
     def _recompute_query_key(self) -> None:
         return None
+
+    def _recompute_activation(self) -> None:
+        super()._recompute_activation()
+        self.self_attention.recompute_conv = True
 
 
 def hybrid_block_spec(config: HybridTransformerConfig, use_transformer_engine: bool = False,
