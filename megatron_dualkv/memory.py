@@ -581,10 +581,14 @@ class MemoryModel:
                                                    *self._spec)
                             for chunk in chunk_layers(self.config, self.sizes, pp_rank)
                             for n, m in zip(chunk, layer_modes(recompute, recompute_layers, chunk))]
-        one_layer = max(host_layer_bytes)
+        # The prompt's backward goes one layer at a time at the prompt's length: a layer that kept its
+        # activations gets them back from the host, one recomputed whole computes them again, so
+        # either holds its no-recompute activations beside its backward's working set.
+        widest = max(layer_activation_bytes(self.config, n, self.sizes, "none", layout, *self._spec)
+                     for chunk in chunk_layers(self.config, self.sizes, pp_rank) for n in chunk)
         backward = {**self.static_parts(pp_rank),
-                    "activations": one_layer * held,
-                    "transient": self.transient_bytes(held, 1, recompute, recompute_layers, pp_rank, layout),
+                    "activations": widest * held,
+                    "transient": self.transient_bytes(held, 1, "none", None, pp_rank, layout),
                     "held prompt": self._held_rows_bytes(held, lambda layer_mode: 2, recompute, recompute_layers,
                                                          pp_rank)}
         on_host = sum(host_layer_bytes) * held  # what the prompt's forward saves, all of it copied out
