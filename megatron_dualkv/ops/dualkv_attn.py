@@ -654,8 +654,13 @@ def backward_plan(head_dim: int, device: torch.device, deterministic: bool, nati
     fused = None if deterministic else kernel_config("dkdv_dq", head_dim, device, dtype)
     if fused is not None:
         return None, fused
-    dkdv = kernel_config("dkdv_window", head_dim, device, dtype) if windowed else None  # None: as "dkdv"
-    return kernel_config("dq", head_dim, device, dtype), dkdv or kernel_config("dkdv", head_dim, device, dtype)
+    return kernel_config("dq", head_dim, device, dtype), dkdv_config(head_dim, device, dtype, windowed)
+
+
+def dkdv_config(head_dim: int, device: torch.device, dtype: torch.dtype, windowed: bool) -> KernelConfig:
+    """The separate dK/dV pass's blocks: "dkdv_window" with a window where it has an entry, else "dkdv"."""
+    window = kernel_config("dkdv_window", head_dim, device, dtype) if windowed else None
+    return window or kernel_config("dkdv", head_dim, device, dtype)
 
 
 def _has_tma(device: torch.device) -> bool:

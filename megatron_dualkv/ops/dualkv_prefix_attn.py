@@ -42,8 +42,8 @@ import triton.language as tl
 
 from ..layout import DualKVLayout, PackedLayout, PrefixedLayout, TreeLayout
 from .checks import check_prefix_attention_inputs
-from .dualkv_attn import (LOG2E, NO_WINDOW, KernelConfig, _bwd, _dot, _fwd, _program_row, _scores, kernel_config,
-                          kernel_tables)
+from .dualkv_attn import (LOG2E, NO_WINDOW, KernelConfig, _bwd, _dot, _fwd, _program_row, _scores, dkdv_config,
+                          kernel_config, kernel_tables)
 
 # ==================================================================================== kernels
 
@@ -185,10 +185,8 @@ def _configs(head_dim: int, device: torch.device, dtype: torch.dtype, windowed: 
     loops these share, the dK/dV pass's with a window as theirs (``dkdv_window``). A prompt held for
     prefix reuse is long (a 127K-token prompt against 32K queries a part), so its tiles need the
     tensor-core shapes of the main kernels."""
-    configs = {name: kernel_config(name, head_dim, device, dtype) for name in ("fwd", "dq", "dkdv")}
-    if windowed:
-        configs["dkdv"] = kernel_config("dkdv_window", head_dim, device, dtype) or configs["dkdv"]
-    return configs
+    return {"fwd": kernel_config("fwd", head_dim, device, dtype), "dq": kernel_config("dq", head_dim, device, dtype),
+            "dkdv": dkdv_config(head_dim, device, dtype, windowed)}
 
 
 def _query_tiles(layout: PrefixedLayout, block: int) -> torch.Tensor:

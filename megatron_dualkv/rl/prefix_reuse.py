@@ -67,7 +67,6 @@ class HeldPrompt:
         self.requires_grad = requires_grad
         self.on_host = on_host  # the prompt's saved activations wait on the host (``host_stash``)
         self.kv: Dict[int, Tuple[Tensor, Tensor]] = {}
-        self.copies: Dict[int, Tuple[bool, bool]] = {}  # per layer: whether its held k / v is a copy of ours
         self.holding = True  # until the prompt's backward: its recompute computes the held values again
         # from the prompt's backward on: per layer, what the parts accumulated in its held k/v's .grad
         self.grads: Dict[int, Tuple[Optional[Tensor], Optional[Tensor]]] = {}
@@ -95,7 +94,6 @@ class HeldPrompt:
         rows = slice(0, self.prompt_len)
         held = [x.detach()[rows].clone() if copy else x.detach()[rows] for x, copy in zip((key, value), copies)]
         self.kv[layer] = tuple(x.requires_grad_(self.requires_grad) for x in held)
-        self.copies[layer] = copies
 
     def add_held_gradients(self, layer: int, dk: Tensor, dv: Tensor) -> Tuple[Tensor, Tensor]:
         out = []
@@ -121,16 +119,16 @@ class HeldPrompt:
     def _free_held_copies(self) -> None:
         """The last part's graph lives until its backward call, which runs the prompt's, has ended,
         and it references the held leaves (their AccumulateGrad nodes) and so their .grad: free the
-        storage of our copies (views are of what the prompt's backward reads) and drop the
-        gradients, which ``self.grads`` hands out one layer at a time."""
-        for layer, held in self.kv.items():
-            for tensor, copied in zip(held, self.copies.get(layer, (False, False))):
+        storage of our copies (views, which have a base, are of what the prompt's backward reads) and
+        drop the gradients, which ``self.grads`` hands out one layer at a time."""
+        for held in self.kv.values():
+            for tensor in held:
                 tensor.grad = None
-                if copied:
+                if tensor._base is None:
                     tensor.data = tensor.new_empty(0)
 
     def release(self) -> None:
-        self.kv, self.copies, self.grads, self.root, self.last_hidden = {}, {}, {}, None, None
+        self.kv, self.grads, self.root, self.last_hidden = {}, {}, None, None
 
 
 class HeldKV(torch.autograd.Function):
