@@ -57,10 +57,11 @@ def _rows(base, rows, ok, stride_t, offs_d, d_mask):
 
 @triton.jit
 def _visible(pos_q, j, ok_q, ok_k, window, HAS_WINDOW: tl.constexpr):
-    """(M, N): query row and prefix key valid, and the key (at position j) inside the window."""
-    mask = ok_q[:, None] & ok_k[None, :]
+    """Query row and prefix key valid, and the key (at position j) inside the window; the arguments
+    come broadcastable, as queries x keys or keys x queries."""
+    mask = ok_q & ok_k
     if HAS_WINDOW:
-        mask = mask & (pos_q[:, None] - j[None, :] < window)
+        mask = mask & (pos_q - j < window)
     return mask
 
 
@@ -87,7 +88,8 @@ def _prefix_fwd_kernel(Q, PK, PV, O, LSE, POS, TILES, stride_qt, stride_qh, stri
         k = _rows(PK + hk * stride_kh, k_start + j, ok_k, stride_kt, offs_d, d_mask)
         v = _rows(PV + hk * stride_vh, k_start + j, ok_k, stride_vt, offs_d, d_mask)
         z, _ = _scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
-        z = tl.where(_visible(pos, j, ok_q, ok_k, window, HAS_WINDOW), z, float("-inf"))
+        visible = _visible(pos[:, None], j[None, :], ok_q[:, None], ok_k[None, :], window, HAS_WINDOW)
+        z = tl.where(visible, z, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: p = 0, not NaN
         p = tl.math.exp2(z - m_sub[:, None])
@@ -128,7 +130,8 @@ def _prefix_dq_kernel(Q, PK, PV, DO, DQ, LSE, DELTA, POS, TILES, stride_qt, stri
         k = _rows(PK + hk * stride_kh, k_start + j, ok_k, stride_kt, offs_d, d_mask)
         v = _rows(PV + hk * stride_vh, k_start + j, ok_k, stride_vt, offs_d, d_mask)
         z, t = _scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
-        p = tl.where(_visible(pos, j, ok_q, ok_k, window, HAS_WINDOW), tl.math.exp2(z - lse[:, None]), 0.0)
+        visible = _visible(pos[:, None], j[None, :], ok_q[:, None], ok_k[None, :], window, HAS_WINDOW)
+        p = tl.where(visible, tl.math.exp2(z - lse[:, None]), 0.0)
         dx = p * (_dot(do, tl.trans(v)) - delta[:, None])
         if HAS_SOFTCAP:
             dx = dx * (1.0 - t * t)
@@ -164,13 +167,16 @@ def _prefix_dkdv_kernel(Q, PK, PV, DO, DPK, DPV, LSE, DELTA, POS, TILES, stride_
             pos = tl.load(POS + rows, mask=ok_q, other=0)
             lse = tl.load(LSE + h.to(tl.int64) * T + rows, mask=ok_q, other=0.0)
             delta = tl.load(DELTA + h.to(tl.int64) * T + rows, mask=ok_q, other=0.0)
-            z, t = _scores(q, k, qk_scale, softcap, HAS_SOFTCAP)
-            p = tl.where(_visible(pos, j, ok_q, ok_k, window, HAS_WINDOW), tl.math.exp2(z - lse[:, None]), 0.0)
-            dv += _dot(tl.trans(p).to(do.dtype), do)
-            dx = p * (_dot(do, tl.trans(v)) - delta[:, None])
+            # keys x queries, as the DualKV kernels' dK/dV pass: with queries x keys and a softcap,
+            # the D256 blocks (32 x 64, 8 warps) gave a wrong dk on the H200 (PERF_NOTES, session 31)
+            z, t = _scores(k, q, qk_scale, softcap, HAS_SOFTCAP)
+            p = tl.where(_visible(pos[None, :], j[:, None], ok_q[None, :], ok_k[:, None], window, HAS_WINDOW),
+                         tl.math.exp2(z - lse[None, :]), 0.0)
+            dv += _dot(p.to(do.dtype), do)
+            dx = p * (_dot(v, tl.trans(do)) - delta[None, :])
             if HAS_SOFTCAP:
                 dx = dx * (1.0 - t * t)
-            dk += _dot(tl.trans(dx).to(q.dtype), q)
+            dk += _dot(dx.to(q.dtype), q)
     k_rows = (k_start + offs_n).to(tl.int64)
     mask = ok_k[:, None] & d_mask[None, :]
     tl.store(DPK + k_rows[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :], (dk * sm_scale).to(DPK.dtype.element_ty),
