@@ -33,6 +33,7 @@ from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from .mcore.context_parallel import kv_head_replication
 from .mcore.parallel import ParallelSizes, padded_vocab_size
 from .mcore.recompute import recompute_config_kwargs
 from .ops.linear_logprobs import CHUNK_ELEMENTS
@@ -559,9 +560,16 @@ class MemoryModel:
             for number, layer_mode in zip(layers, layer_modes(mode, recompute_layers, layers)):
                 # Gemma's full-attention layers hold their own heads and head dim
                 layer = _layer_config(config, number)
-                row = max(1, layer.num_query_groups // self.sizes.tp) * layer.kv_channels * element * prompt_tokens
+                row = self._held_kv_heads(layer) * layer.kv_channels * element * prompt_tokens
                 total += row * rows_of(layer_mode)
         return total
+
+    def _held_kv_heads(self, layer) -> int:
+        """The K/V heads whose prompt rows a rank holds: its TP share, under Ulysses CP its share
+        after the all-to-all (each KV head replicated where cp does not divide them)."""
+        tp, cp = self.sizes.tp, self.sizes.cp
+        heads = max(1, layer.num_query_groups // tp)
+        return heads * kv_head_replication(layer.num_attention_heads // tp, heads, cp) // cp
 
     def _prompt_on_host_peak(self, tokens: int, rows: int, recompute: str, recompute_layers: Optional[int],
                              num_micro_batches: int, pp_rank: int, layout: str, held: int) -> MemoryEstimate:

@@ -142,6 +142,12 @@ PARALLEL_RUNS = {
     "reuse_moe_ep2": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), reuse=True),
     # a split tree's held path (REUSE_TREE_PARTS of the first tree of TREE_SHAPES), the same under TP with SP
     "reuse_trees_dense_tp2_sp": ParallelRun("qwen3-tiny", 2, dict(tp=2, sp=True), trees=True, reuse=True),
+    # Ulysses CP: each rank holds every prompt row of its heads (one KV head: a replicated copy), the
+    # prompt's last row lives in one rank's slice, and the ranks' output layers share the parts' rows
+    "reuse_dense_cp2": ParallelRun("qwen3-tiny", 2, dict(cp=2), reuse=True),
+    "reuse_dense_cp2_one_kv_head": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_query_groups=1), reuse=True),
+    "reuse_trees_gemma3_cp2": ParallelRun("gemma3-tiny", 2, dict(cp=2), trees=True, reuse=True),
+    "reuse_dense_tp2_sp_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, sp=True, cp=2), reuse=True),
 }
 REUSE_SHAPE, REUSE_PARTS = (13, [5, 1, 7, 3, 4]), [[0, 1], [2], [3, 4]]
 REUSE_TREE_PARTS = [[0, 1], [2, 3], [4]]

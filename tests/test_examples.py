@@ -261,7 +261,7 @@ def test_two_gpus_take_the_one_gpu_ppo_updates(one_gpu_runs, dtype):
 
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
     """A group over --max-tokens: prefix reuse (the default where it runs) computes its prompt once,
-    sub-groups (--prefix-reuse off) once each; the same steps either way."""
+    sub-groups (--prefix-reuse off) once each; the same steps either way, and at cp=2."""
     rollouts = tmp_path / "ids.jsonl"
     groups = [  # 20 + 102 tokens: over a 64-token budget, so split
         {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(12)], "rewards": [i % 2 for i in range(12)]},
@@ -287,6 +287,12 @@ def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
         runs[reuse] = steps
     for step in (1, 2):
         assert number(runs["auto"][step], "margin") == pytest.approx(number(runs["off"][step], "margin"), abs=1e-4)
+    # Ulysses CP: each rank holds its heads' prompt K/V, the same steps
+    out, steps = run_script("--rollouts", rollouts, "--global-batch-size", 2, "--max-tokens", 64, "--steps", 2,
+                            "--loss", "grpo", "--cp", 2, ranks=2)
+    assert "as prefix reuse (its prompt runs once)" in out and sorted(steps) == [1, 2]
+    for step in (1, 2):
+        assert number(steps[step], "margin") == pytest.approx(number(runs["auto"][step], "margin"), abs=1e-4)
 
 
 def test_attention_demo_runs():

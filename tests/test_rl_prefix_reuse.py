@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_dualkv import Trajectory, held_path_len, pack_groups, pack_trajectories, plan_micro_batches
+from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import build_model
 from megatron_dualkv.rl.prefix_reuse import prefix_reuse_part
 from megatron_dualkv.rl import (DAPOLoss, GRPOLoss, PrefixReuseBatch, ResponseTokens, RLMicroBatch, forward_backward,
@@ -193,6 +194,18 @@ def test_memory_model_counts_the_held_prompt(mode, rows):
     layers = [gemma.config.for_layer(n) for n in range(1, gemma.config.num_layers + 1)]
     assert len({(layer.num_query_groups, layer.kv_channels) for layer in layers}) == 2
     assert gemma.held_prompt_bytes(100, mode) == rows * 2 * 100 * sum(l.num_query_groups * l.kv_channels for l in layers)
+
+
+def test_memory_model_counts_a_context_parallel_rank_s_held_heads():
+    """Ulysses CP: a rank holds every prompt row of its heads after the all-to-all, a replicated
+    copy of the one KV head where cp does not divide the KV heads (``ulysses_attention``)."""
+    from megatron_dualkv.memory import MemoryModel
+
+    def held(cp, **overrides):
+        return MemoryModel.for_card("qwen3-tiny", ParallelSizes(cp=cp), **overrides).held_prompt_bytes(100, "none")
+
+    assert held(2) * 2 == held(1)
+    assert held(2, num_query_groups=1) == held(1, num_query_groups=1)
 
 
 def test_gated_deltanet_layers_are_named():

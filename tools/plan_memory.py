@@ -114,7 +114,7 @@ def plan_prefix_reuse(card: str, layout: str, gpus: int, group, budget: float, m
     parallel, memory = layout_memory(card, layout, gpus)
     whole = least_recompute(memory, budget, group, group[0], micro_batches, held_prompt=False)
     # what the launch script's --prefix-reuse refuses (rl.prefix_reuse.check_prefix_reuse_supported)
-    missing = [name for name, size in (("pp", parallel.sizes.pp), ("cp", parallel.sizes.cp)) if size > 1]
+    missing = [name for name, size in (("pp", parallel.sizes.pp),) if size > 1]
     return dict(card=card, layout=layout_name(parallel),
                 whole="does not fit" if whole is None else f"{recompute_name(whole[0])}, {whole[1]:.1f} GiB",
                 sub_groups=best_split(memory, budget, group, micro_batches, held_prompt=False),

@@ -117,25 +117,21 @@ class DualKVAttention(DotProductAttention):
                 "rank(s)); the layout must be the one the micro-batch was packed with"
             )
 
-        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return dualkv_attn_func(
-                q, k, v, layout,
-                softmax_scale=self.dualkv_softmax_scale,
-                window_size=self.dualkv_window,
-                softcap=self.dualkv_softcap,
-                deterministic=self.config.deterministic_mode,
-            )
-
+        kernel_args = dict(softmax_scale=self.dualkv_softmax_scale, window_size=self.dualkv_window,
+                           softcap=self.dualkv_softcap, deterministic=self.config.deterministic_mode)
         held = packed_seq_params.held_prompt
-        if held is not None:
-            if isinstance(layout, PrefixedLayout):
-                out = dualkv_prefix_attn_func(query, key, value, *held.kv[self.layer_number], layout,
-                                              softmax_scale=self.dualkv_softmax_scale, window_size=self.dualkv_window,
-                                              softcap=self.dualkv_softcap, deterministic=self.config.deterministic_mode)
-                return out.reshape(out.shape[0], -1)
-            # a layer that frees its rotated key after the forward: the held one is a copy
-            copy_key = bool(getattr(self.config, "recompute_qk_norm_rope", False))
-            key, value = held.hold(self.layer_number, key, value, copy_key)
+
+        # Prefix reuse holds and reads the prompt's K/V as attention sees them: under context
+        # parallelism after the all-to-all, every prompt row of this rank's heads.
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if held is not None and isinstance(layout, PrefixedLayout):
+                return dualkv_prefix_attn_func(q, k, v, *held.kv[self.layer_number], layout, **kernel_args)
+            if held is not None:
+                # a layer that frees its rotated key after the forward: the held one is a copy
+                copy_key = bool(getattr(self.config, "recompute_qk_norm_rope", False))
+                k, v = held.hold(self.layer_number, k, v, copy_key)
+            return dualkv_attn_func(q, k, v, layout, **kernel_args)
+
         if context_parallel_size(packed_seq_params.cp_group) > 1:
             return ulysses_attention(query, key, value, packed_seq_params.cp_group, attend)
         out = attend(query, key, value)

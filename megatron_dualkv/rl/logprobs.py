@@ -149,7 +149,8 @@ def logprobs_from_output(
     the trained tokens whose predicting position lies there, and a sum over the CP ranks (forward;
     identity backward, as the loss that follows is the same on every rank) gives each rank all of
     them. ``all_tokens``: ``hidden`` already holds every token's row with a backward that sums the
-    TP ranks' gradients (``tensor_parallel_rows``), as prefix reuse hands it over.
+    TP and CP ranks' gradients (``all_rows``), as prefix reuse hands it over; a CP rank then
+    computes an equal share of the trained tokens.
     """
     gpt = get_attr_wrapped_model(model, "vocab_size", return_model_obj=True)
     tp_group = gpt.pg_collection.tp
@@ -159,7 +160,7 @@ def logprobs_from_output(
     tokens = ResponseTokens.of(batch)
     index = None
     if layout == "packed":
-        rows, targets, index = _packed_predictions(gpt, batch, tokens, hidden.device)
+        rows, targets, index = _packed_predictions(gpt, batch, tokens, hidden.device, all_tokens)
     else:
         rows, targets = _replicated_predictions(batch, tokens, hidden.device)
     predicting = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [s, b, h]: row = position * b + sequence
@@ -187,11 +188,10 @@ def logprobs_from_output(
 
 
 def tensor_parallel_rows(model, hidden: Tensor) -> Tensor:
-    """The last stage's ``hidden``, every token's row, as ``logprobs_from_output`` hands its rows to
-    the vocabulary projection: all-gathered from the sequence split under sequence parallelism
-    (reduce-scatter backward), else copied (all-reduce backward); either way the backward sums the
-    gradients of the TP ranks' vocabulary shards. For callers that add rows of their own before
-    the projection (prefix reuse: the prompt's last hidden state)."""
+    """The last stage's ``hidden``, every row of this CP rank's tokens, as ``logprobs_from_output``
+    hands its rows to the vocabulary projection: all-gathered from the sequence split under sequence
+    parallelism (reduce-scatter backward), else copied (all-reduce backward); either way the backward
+    sums the gradients of the TP ranks' vocabulary shards."""
     gpt = get_attr_wrapped_model(model, "vocab_size", return_model_obj=True)
     tp_group = gpt.pg_collection.tp
     if tp_group.size() == 1:
@@ -199,6 +199,18 @@ def tensor_parallel_rows(model, hidden: Tensor) -> Tensor:
     if gpt.config.sequence_parallel:
         return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
     return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+
+
+def all_rows(model, hidden: Tensor) -> Tensor:
+    """``tensor_parallel_rows``, then all-gathered over context parallelism: every packed token's
+    row, for callers that add rows of their own before the projection (prefix reuse: the prompt's
+    last hidden state), with ``logprobs_from_output(..., all_tokens=True)``. There each CP rank
+    projects its own share of the rows, so the backward sums the ranks' gradients (reduce-scatter)."""
+    hidden = tensor_parallel_rows(model, hidden)
+    cp_group = get_attr_wrapped_model(model, "context_parallel_group")
+    if context_parallel_size(cp_group) == 1:
+        return hidden
+    return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=cp_group)
 
 
 def _check_batch(model, batch, layout: str) -> None:
@@ -261,16 +273,23 @@ def packed_output(model, batch, held_prompt=None) -> Tensor:
     )
 
 
-def _packed_predictions(model, batch, tokens: ResponseTokens, device) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(positions in this rank's slice of the packed tokens whose hidden states predict the distinct
+def _packed_predictions(model, batch, tokens: ResponseTokens, device,
+                        all_tokens: bool = False) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(positions in this rank's rows of the packed tokens whose hidden states predict the distinct
     trained tokens, on ``device``; their targets; under context parallelism the number of each
-    among those distinct tokens, else None)."""
+    among those distinct tokens, else None). A CP rank's rows are its slice of the packed tokens,
+    or with ``all_tokens`` every row, of which it takes an equal contiguous share of the trained
+    tokens (each rank's output layer must see distinct rows: DDP sums its gradient over CP)."""
     targets = batch.tokens[tokens.distinct(tokens.token_index)]
-    if context_parallel_size(model.context_parallel_group) == 1:
+    cp_group = model.context_parallel_group
+    if context_parallel_size(cp_group) == 1:
         here = ResponseTokens.of(batch, device)
         return here.distinct(here.predictor_index), targets, None
     predictors = tokens.distinct(tokens.predictor_index)
-    local = context_parallel_slice(batch.num_tokens, model.context_parallel_group)
+    if all_tokens:
+        index = torch.tensor_split(torch.arange(len(predictors)), cp_group.size())[cp_group.rank()]
+        return predictors[index].to(device), targets[index], index.to(device)
+    local = context_parallel_slice(batch.num_tokens, cp_group)
     index = torch.nonzero((predictors >= local.start) & (predictors < local.stop)).squeeze(1)
     rows = predictors[index] - local.start
     return rows.to(device), targets[index], index.to(device)

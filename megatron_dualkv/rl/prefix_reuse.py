@@ -9,7 +9,9 @@ Megatron's schedule, micro-batches in order):
 
 1. the first part's forward runs the prompt alone (positions 0..P-1) and holds, per layer, its
    K/V exactly as DualKV attention consumes them (after the q/k norm and RoPE), and the final
-   hidden state of its last position, which predicts every response's first token;
+   hidden state of its last position, which predicts every response's first token (under context
+   parallelism attention holds its rank's heads after the all-to-all, and the row is all-reduced
+   from the rank whose slice has it);
 2. every part runs its responses (``PrefixedLayout``: positions P..P+R_i-1) with
    ``dualkv_prefix_attn_func`` against the held K/V. In a training step the held tensors are
    detached leaves that require grad, so each part's backward accumulates the gradient flowing
@@ -36,9 +38,8 @@ Losses: a part is a micro-batch of the plan like a sub-group (``planner``), or l
 tree that carries its path: its advantages come from the whole group (``RLMicroBatch.advantages``),
 its loss divides by the plan's ``loss_normalizer``.
 
-Not supported yet (a ValueError names the combination): pipeline and context parallelism, the
-replicated layout, DDP's overlapped gradient reduce, and core attention
-other than ``DualKVAttention``.
+Not supported yet (a ValueError names the combination): pipeline parallelism, the replicated
+layout, DDP's overlapped gradient reduce, and core attention other than ``DualKVAttention``.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from ..layout import DualKVLayout, PrefixedLayout
+from ..mcore.context_parallel import context_parallel_size, context_parallel_slice
 from ..packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_groups
 from ..trajectories import (Trajectory, TrajectoryBatch, _loss_mask, _trajectory_tokens, held_path_len,
                            pack_trajectories)
@@ -72,6 +74,12 @@ class HeldPrompt:
         self.grads: Dict[int, Tuple[Optional[Tensor], Optional[Tensor]]] = {}
         self.root: Optional[Tensor] = None  # the prompt's last hidden row, in its graph
         self.last_hidden: Optional[Tensor] = None
+        # Under context parallelism one rank's slice holds that row, and the rank whose share of
+        # the rows the loss projects has its gradient: it is summed over the CP ranks. The others'
+        # roots are a row of their own slice with a zero gradient, so that their share of the
+        # prompt's graph runs.
+        self.owns_root = True
+        self.cp_group = None
 
     def hold(self, layer: int, key: Tensor, value: Tensor, copy_key: bool) -> Tuple[Tensor, Tensor]:
         """What a layer's core attention calls on the prompt's k/v [t, heads, d]: they come back
@@ -107,6 +115,9 @@ class HeldPrompt:
     def backward(self) -> None:
         """The prompt's one backward, after every part's (``_AfterLastPart``)."""
         grad = self.last_hidden.grad if self.last_hidden.grad is not None else torch.zeros_like(self.last_hidden)
+        if context_parallel_size(self.cp_group) > 1:
+            torch.distributed.all_reduce(grad, group=self.cp_group)
+            grad = grad if self.owns_root else torch.zeros_like(grad)
         # The held copies are read no more: their gradients alone go on, each layer's freed once that
         # layer's backward has added it, so the backward's peak is not the parts' (``MemoryModel``).
         self.grads = {layer: (k.grad, v.grad) for layer, (k, v) in self.kv.items()}
@@ -303,10 +314,10 @@ def prefix_reuse_output(model, micro_batch, layout: str):
     """(the final hidden states of the stub's rows, the micro-batch with the stub as its batch):
     this part's model output after the prompt's held last hidden state, running the prompt's
     forward first where this is its first part. The rows are every token's, with a backward that
-    sums the TP ranks' gradients (``logprobs.tensor_parallel_rows``): the loss takes them with
+    sums the TP ranks' gradients (``logprobs.all_rows``): the loss takes them with
     ``logprobs_from_output(..., all_tokens=True)``, and the prompt's backward starts from its
     last row with the held copy's gradient, which holds this rank's vocabulary shard's share."""
-    from .logprobs import packed_output, tensor_parallel_rows
+    from .logprobs import all_rows, packed_output
 
     part: PrefixReuseBatch = micro_batch.batch
     prompt = part.prompt
@@ -317,7 +328,7 @@ def prefix_reuse_output(model, micro_batch, layout: str):
     if held is None:
         raise ValueError(f"prefix reuse: part {part.index} runs before its prompt's first part (index 0); "
                          "give a group's parts in order, in one forward_backward call")
-    hidden = tensor_parallel_rows(model, packed_output(model, part, held))
+    hidden = all_rows(model, packed_output(model, part, held))
     last = part.index == prompt.num_parts - 1
     first_row = _AfterLastPart.apply(held, held.last_hidden) if last and held.requires_grad else held.last_hidden
     if last and not held.requires_grad:
@@ -339,9 +350,24 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
         raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
                          "DualKVAttention as every layer's core attention (the local layer spec, not Transformer "
                          "Engine's; no Gated DeltaNet layers, whose prompt state is no K/V)")
-    held.root = hidden[len(prompt.tokens) - 1 : len(prompt.tokens)]
-    held.last_hidden = held.root.detach().requires_grad_(held.requires_grad)
+    _hold_last_row(held, hidden, prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
     return held
+
+
+def _hold_last_row(held: HeldPrompt, hidden: Tensor, num_tokens: int, cp_group) -> None:
+    """``held``'s root and last hidden state from this rank's rows ``hidden`` of the prompt's
+    ``num_tokens`` packed tokens (its CP slice)."""
+    local = context_parallel_slice(num_tokens, cp_group)
+    held.cp_group = cp_group
+    last = held.prompt_len - 1
+    held.owns_root = local.start <= last < local.stop
+    row = last - local.start if held.owns_root else 0
+    held.root = hidden[row : row + 1]
+    last_hidden = held.root.detach()
+    if context_parallel_size(cp_group) > 1:
+        last_hidden = last_hidden.clone() if held.owns_root else torch.zeros_like(last_hidden)
+        torch.distributed.all_reduce(last_hidden, group=cp_group)
+    held.last_hidden = last_hidden.requires_grad_(held.requires_grad)
 
 
 def check_prefix_reuse_supported(model, layout: str) -> None:
@@ -349,7 +375,6 @@ def check_prefix_reuse_supported(model, layout: str) -> None:
     unsupported = [
         (layout != "packed", f"the {layout} layout"),
         (parallel_state.get_pipeline_model_parallel_world_size() > 1, "pipeline parallelism"),
-        (parallel_state.get_context_parallel_world_size() > 1, "context parallelism"),
         (getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False),
          "DDP's overlap_grad_reduce (its buckets would reduce before the prompt's backward)"),
     ]
