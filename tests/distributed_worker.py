@@ -146,6 +146,8 @@ PARALLEL_RUNS = {
     # prompt's last row lives in one rank's slice, and the ranks' output layers share the parts' rows
     "reuse_dense_cp2": ParallelRun("qwen3-tiny", 2, dict(cp=2), reuse=True),
     "reuse_dense_cp2_one_kv_head": ParallelRun("qwen3-tiny", 2, dict(cp=2), dict(num_query_groups=1), reuse=True),
+    "reuse_dense_cp2_selective_on_host": ParallelRun("qwen3-tiny", 2, dict(cp=2), reuse=True, recompute=dict(
+        recompute="selective", prefix_reuse_prompt_on_host=True)),
     "reuse_trees_gemma3_cp2": ParallelRun("gemma3-tiny", 2, dict(cp=2), trees=True, reuse=True),
     "reuse_dense_tp2_sp_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, sp=True, cp=2), reuse=True),
 }
