@@ -476,7 +476,7 @@ def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts, card: Mod
     # a Gated DeltaNet layer hands its responses a recurrent state, which prefix reuse does not hold
     layer_types = family_of(card).transformer_config_kwargs(card).get("layer_types", ())
     unsupported = [what for bad, what in (
-        (args.layout != "packed", f"--layout {args.layout}"), (args.pp > 1, "--pp > 1"),
+        (args.layout != "packed", f"--layout {args.layout}"),
         (_transformer_engine(args), "the Transformer Engine spec"),
         ("linear_attention" in layer_types, "Gated DeltaNet layers")) if bad]
     if args.prefix_reuse == "on" and unsupported:

@@ -28,6 +28,7 @@ import random
 import subprocess
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List
 
@@ -43,6 +44,7 @@ from megatron_dualkv.models.hf_export import _global_name  # the single-rank mod
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func
+from megatron_dualkv.rl import prefix_reuse
 from megatron_dualkv.rl import (
     GRPOLoss, RLMicroBatch, ResponseTokens, forward_backward, forward_logprobs, forward_only, pack_prefix_reuse,
     pack_prefix_reuse_trajectories, plan_mini_batches, ppo_updates, vocab_parallel_logprobs,
@@ -149,7 +151,22 @@ PARALLEL_RUNS = {
     "reuse_dense_cp2_selective_on_host": ParallelRun("qwen3-tiny", 2, dict(cp=2), reuse=True, recompute=dict(
         recompute="selective", prefix_reuse_prompt_on_host=True)),
     "reuse_trees_gemma3_cp2": ParallelRun("gemma3-tiny", 2, dict(cp=2), trees=True, reuse=True),
+    # pipeline parallelism: each stage holds its layers' prompt K/V, and the prompt's hidden states and
+    # their gradient go between stages beside the schedule's exchange; the first of a stage's layers
+    # recomputed whole in the prompt's backward, the prompt's saved activations (the received stage
+    # input among them) on the host; a tree's held path with Gemma's tied output layer
+    "reuse_dense_pp2": ParallelRun("qwen3-tiny", 2, dict(pp=2), reuse=True),
+    "reuse_dense_pp2_selective_1_on_host": ParallelRun("qwen3-tiny", 2, dict(pp=2), dict(num_layers=4), reuse=True,
+                                                       recompute=dict(recompute="selective", recompute_layers=1,
+                                                                      prefix_reuse_prompt_on_host=True)),
+    "reuse_trees_gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2), trees=True, reuse=True),
     "reuse_dense_tp2_sp_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, sp=True, cp=2), reuse=True),
+    # each TP rank's stages exchange its sequence-parallel shard of the prompt's hidden states, each
+    # CP rank's its slice (the last stage's CP ranks then share out the prompt's last row)
+    "reuse_dense_pp2_tp2_sp": ParallelRun("qwen3-tiny", 4, dict(pp=2, tp=2, sp=True), reuse=True),
+    "reuse_dense_pp2_cp2": ParallelRun("qwen3-tiny", 4, dict(pp=2, cp=2), reuse=True),
+    # middle stages both receive the prompt's hidden states and send them on
+    "reuse_dense_pp4": ParallelRun("qwen3-tiny", 4, dict(pp=4), dict(num_layers=4), reuse=True),
 }
 REUSE_SHAPE, REUSE_PARTS = (13, [5, 1, 7, 3, 4]), [[0, 1], [2], [3, 4]]
 REUSE_TREE_PARTS = [[0, 1], [2, 3], [4]]
@@ -240,17 +257,46 @@ def parallel_run(run: ParallelRun) -> Dict:
     sizes = ParallelSizes(**run.sizes)
     batches = micro_batches(sizes.token_multiple, run.trees, run.reuse)
     with torch.no_grad():
-        # one micro-batch at a time: not under the interleaved schedule (it runs at least pp), nor
-        # prefix-reuse parts (they run after their first part, in one schedule)
-        alone = not (sizes.vpp or run.reuse)
-        logprobs = [forward_logprobs(model, mb.batch) for mb in batches] if alone else None
-        # the baseline layout, wherever Megatron's attention runs it (no context parallelism)
-        replicated = [forward_logprobs(model, mb.batch, "replicated") for mb in batches] if alone and sizes.cp == 1 else None
-    outputs = forward_backward(model, batches, LOSS, with_entropy=True)
+        # one micro-batch at a time: not under the interleaved schedule (it runs at least pp)
+        logprobs = None if sizes.vpp else packed_logprobs(model, batches, run.reuse)
+        # the baseline layout, wherever Megatron's attention runs it (no context parallelism), on whole groups
+        alone = not (sizes.vpp or run.reuse) and sizes.cp == 1
+        replicated = [forward_logprobs(model, mb.batch, "replicated") for mb in batches] if alone else None
+    with counted_prompt_passes() as prompt_passes:
+        outputs = forward_backward(model, batches, LOSS, with_entropy=True)
     return dict(
         logprobs=logprobs, replicated=replicated, outputs=outputs, parameters=parameter_pieces(chunks),
-        unpadded_error=None if run.trees or run.reuse else unpadded_error(model, sizes),
+        unpadded_error=None if run.trees or run.reuse else unpadded_error(model, sizes), prompt_passes=prompt_passes,
     )
+
+
+def packed_logprobs(model, batches: List[RLMicroBatch], reuse: bool) -> list:
+    """Per micro-batch, forward_logprobs of its batch; prefix-reuse parts, which run after their
+    first part in one schedule, all in one forward-only forward_backward."""
+    if reuse:
+        return [out.logprobs for out in forward_backward(model, [RLMicroBatch(mb.batch) for mb in batches])]
+    return [forward_logprobs(model, mb.batch) for mb in batches]
+
+
+@contextmanager
+def counted_prompt_passes():
+    """How often prefix reuse's prompt forward and backward run on this rank meanwhile."""
+    passes = dict(forward=0, backward=0)
+    forward, backward = prefix_reuse._prompt_forward, prefix_reuse.HeldPrompt.backward
+
+    def counted_forward(*args):
+        passes["forward"] += 1
+        return forward(*args)
+
+    def counted_backward(held):
+        passes["backward"] += 1
+        backward(held)
+
+    prefix_reuse._prompt_forward, prefix_reuse.HeldPrompt.backward = counted_forward, counted_backward
+    try:
+        yield passes
+    finally:
+        prefix_reuse._prompt_forward, prefix_reuse.HeldPrompt.backward = forward, backward
 
 
 def unpadded_error(model, sizes: ParallelSizes):

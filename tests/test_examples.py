@@ -261,7 +261,7 @@ def test_two_gpus_take_the_one_gpu_ppo_updates(one_gpu_runs, dtype):
 
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
     """A group over --max-tokens: prefix reuse (the default where it runs) computes its prompt once,
-    sub-groups (--prefix-reuse off) once each; the same steps either way, and at cp=2."""
+    sub-groups (--prefix-reuse off) once each; the same steps either way, and at cp=2 and at pp=2."""
     rollouts = tmp_path / "ids.jsonl"
     groups = [  # 20 + 102 tokens: over a 64-token budget, so split
         {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(12)], "rewards": [i % 2 for i in range(12)]},
@@ -293,6 +293,16 @@ def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
     assert "as prefix reuse (its prompt runs once)" in out and sorted(steps) == [1, 2]
     for step in (1, 2):
         assert number(steps[step], "margin") == pytest.approx(number(runs["auto"][step], "margin"), abs=1e-4)
+    # PP: each stage holds its layers' prompt K/V; the sub-groups' steps at pp=2 (its second stage
+    # draws its random layers from another seed than one process)
+    pipelined = {}
+    for reuse in ("auto", "off"):
+        out, pipelined[reuse] = run_script("--rollouts", rollouts, "--global-batch-size", 2, "--max-tokens", 64,
+                                           "--steps", 2, "--loss", "grpo", "--prefix-reuse", reuse, "--pp", 2, ranks=2)
+        assert sorted(pipelined[reuse]) == [1, 2] and ("prefix reuse (its prompt" in out) == (reuse == "auto")
+    for step in (1, 2):
+        assert number(pipelined["auto"][step], "margin") == pytest.approx(number(pipelined["off"][step], "margin"),
+                                                                          abs=1e-4)
 
 
 def test_attention_demo_runs():

@@ -9,18 +9,20 @@ returns, and the gradients of every full parameter, must match; so must forward_
 packed layout, and on the replicated layout where Megatron's attention runs it (no CP). Runs with
 activation recompute are compared with a reference built without it. Two PPO mini-batches on two
 data-parallel ranks end with the parameters of one process. The ``trees_`` runs do the same on
-prefix trees of trajectories.
+prefix trees of trajectories, the ``reuse_`` runs on prefix-reuse parts, whose prompt runs once
+each way on every rank (under pipeline parallelism, once per stage) and whose forward-only step
+stands in for forward_logprobs.
 """
 from collections import defaultdict
 
 import pytest
 import torch
 
-from distributed_worker import LOSS, PARALLEL_RUNS, launch, micro_batches, ppo_run
+from distributed_worker import LOSS, PARALLEL_RUNS, launch, micro_batches, packed_logprobs, ppo_run
 from megatron_dualkv.mcore import ParallelSizes
 from megatron_dualkv.models import build_model
 from megatron_dualkv.models.family import VOCAB_TENSORS
-from megatron_dualkv.rl import forward_backward, forward_logprobs
+from megatron_dualkv.rl import forward_backward
 from rollouts import max_abs_diff
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU")
@@ -77,8 +79,8 @@ def check_against_one_process(name, ranks):
             if n in VOCAB_TENSORS:
                 assert not full[n]["grad"][vocab:].any(), f"{n}: padded rows get no gradient"
     batches = micro_batches(pad_to_multiple_of=1, trees=run.trees, reuse=run.reuse)
-    with torch.no_grad():  # prefix-reuse parts: the ranks return none (their parts run in one schedule)
-        logprobs = None if run.reuse else [forward_logprobs(model, mb.batch) for mb in batches]
+    with torch.no_grad():
+        logprobs = packed_logprobs(model, batches, run.reuse)
     model.zero_grad(set_to_none=True)
     outputs = forward_backward(model, batches, LOSS, with_entropy=True)
     for rank, result in enumerate(ranks):
@@ -88,6 +90,8 @@ def check_against_one_process(name, ranks):
                 for got, want in zip(result[layout], logprobs):
                     assert max_abs_diff(got, want) < 2e-6, f"forward_logprobs ({layout}) on rank {rank}"
         assert len(result["outputs"]) == len(outputs), f"rank {rank} returned {len(result['outputs'])} outputs"
+        # every rank (each pipeline stage) runs the prompt once each way
+        assert result["prompt_passes"] == dict(forward=int(run.reuse), backward=int(run.reuse)), f"rank {rank}"
         for got, want in zip(result["outputs"], outputs):
             assert max_abs_diff(got.logprobs, want.logprobs) < 2e-6, f"log-probs on rank {rank}"
             assert max_abs_diff(got.entropy, want.entropy) < 2e-6, f"entropies on rank {rank}"

@@ -127,10 +127,16 @@ def test_megatron_ddp_reduces_once_after_the_prompt_backward():
     assert any(g.abs().max() > 0 for g in grads[0].values())
 
 
-def test_unsupported_combinations_are_named(model):
+def test_unsupported_combinations_are_named(model, monkeypatch):
+    from megatron.core import parallel_state
+
     _, split = whole_and_parts(model, PARTS)
     with pytest.raises(ValueError, match="prefix reuse .* does not support the replicated layout"):
         forward_backward(model, split, GRPOLoss(), layout="replicated")
+    with monkeypatch.context() as patch:  # named before the interleaved schedule pads the micro-batches
+        patch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda: 2)
+        with pytest.raises(ValueError, match=r"does not support the interleaved pipeline schedule \(virtual pipeline"):
+            forward_backward(model, split, GRPOLoss())
     with pytest.raises(ValueError, match="part 1 runs before its prompt's first part"):
         forward_backward(model, split[1:], GRPOLoss())
     with pytest.raises(ValueError, match=r"parts \[\[0\], \[0, 1\]\] must split the group's responses \(5\)"):
@@ -190,6 +196,9 @@ def test_memory_model_counts_the_held_prompt(mode, rows):
     estimate = memory.predict(160, recompute=mode, held_prompt_tokens=100)
     assert estimate.parts["held prompt"] == rows * per_row
     assert estimate.total == memory.predict(160, recompute=mode).total + rows * per_row
+    # a pipeline stage holds its own layers' K/V
+    staged = MemoryModel.for_card("qwen3-tiny", ParallelSizes(pp=2), dtype=torch.bfloat16)
+    assert [staged.held_prompt_bytes(100, mode, pp_rank=rank) for rank in (0, 1)] == [rows * per_row / 2] * 2
     gemma = MemoryModel.for_card("gemma4-tiny", dtype=torch.bfloat16)  # full-attention layers: their own K/V shape
     layers = [gemma.config.for_layer(n) for n in range(1, gemma.config.num_layers + 1)]
     assert len({(layer.num_query_groups, layer.kv_channels) for layer in layers}) == 2

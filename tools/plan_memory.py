@@ -14,8 +14,7 @@ with dp x cp > 1 shards the optimizer state (Megatron's distributed optimizer).
 ``--prefix-reuse``: per layout, three ways to run a group: in one micro-batch (the least recompute
 that fits it), split into sub-groups that each carry the prompt, and split into prefix-reuse parts
 against the prompt held once (issue #41, ``rl.prefix_reuse``); for each split the least recompute
-under which a part of k responses fits (k = N/2, ..., 1; ties: the largest k) and its peak, and
-whether the code runs prefix reuse on that layout yet.
+under which a part of k responses fits (k = N/2, ..., 1; ties: the largest k) and its peak.
 """
 from __future__ import annotations
 
@@ -113,13 +112,10 @@ def plan_prefix_reuse(card: str, layout: str, gpus: int, group, budget: float, m
     """``--prefix-reuse``'s row: the group in one micro-batch, in sub-groups, in prefix-reuse parts."""
     parallel, memory = layout_memory(card, layout, gpus)
     whole = least_recompute(memory, budget, group, group[0], micro_batches, held_prompt=False)
-    # what the launch script's --prefix-reuse refuses (rl.prefix_reuse.check_prefix_reuse_supported)
-    missing = [name for name, size in (("pp", parallel.sizes.pp),) if size > 1]
     return dict(card=card, layout=layout_name(parallel),
                 whole="does not fit" if whole is None else f"{recompute_name(whole[0])}, {whole[1]:.1f} GiB",
                 sub_groups=best_split(memory, budget, group, micro_batches, held_prompt=False),
-                reuse=best_split(memory, budget, group, micro_batches, held_prompt=True, host_budget=host_budget),
-                runs="yes" if not missing else "not yet: " + ", ".join(f"{name} > 1" for name in missing))
+                reuse=best_split(memory, budget, group, micro_batches, held_prompt=True, host_budget=host_budget))
 
 
 def main(argv=None) -> None:
@@ -155,7 +151,6 @@ def main(argv=None) -> None:
         write_table(rows, csv_path, [
             ("card", "model", "12"), ("layout", "layout", "22"), ("whole", "one micro-batch", "24"),
             ("sub_groups", "sub-groups (prompt each)", "32"), ("reuse", "prefix reuse (prompt held)", "48"),
-            ("runs", "prefix reuse runs", "20"),
         ])
         return
     rows = [plan(card, layout, args.gpus, group, budget, args.micro_batches)

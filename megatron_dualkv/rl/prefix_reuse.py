@@ -34,12 +34,20 @@ autograd engine callback), so Megatron's schedule sees one backward per micro-ba
 deferred gradient sync happens after it (its ``no_sync`` covers the earlier parts), and activation
 recompute of the prompt's layers, which reruns ``_HeldKV`` in that backward, works unchanged.
 
+Pipeline parallelism (the 1F1B schedule): each stage holds its own layers' K/V and runs steps 1
+and 3 on its layers. The prompt's hidden states go on to the next stage inside the first part's
+forward step, and their gradient comes back inside the last part's backward step: 1F1B runs a
+micro-batch's backward on the next stage first, so both are there when a stage needs them. They
+travel outside the schedule's own order, on a process group of their own (``prompt_pipeline``).
+Only the last stage holds the last hidden state; the others start step 3 from the gradient received.
+
 Losses: a part is a micro-batch of the plan like a sub-group (``planner``), or like a part of a
 tree that carries its path: its advantages come from the whole group (``RLMicroBatch.advantages``),
 its loss divides by the plan's ``loss_normalizer``.
 
-Not supported yet (a ValueError names the combination): pipeline parallelism, the replicated
-layout, DDP's overlapped gradient reduce, and core attention other than ``DualKVAttention``.
+Not supported yet (a ValueError names the combination): the interleaved pipeline schedule (its
+model chunks would each run the prompt at their own turn), the replicated layout, DDP's overlapped
+gradient reduce, and core attention other than ``DualKVAttention``.
 """
 from __future__ import annotations
 
@@ -58,6 +66,7 @@ from ..packing import PackedBatch, RolloutGroup, check_rollout_groups, pack_grou
 from ..trajectories import (Trajectory, TrajectoryBatch, _loss_mask, _trajectory_tokens, held_path_len,
                            pack_trajectories)
 from .host_stash import host_stash
+from .prompt_pipeline import PromptPipeline, prompt_pipeline
 
 
 class HeldPrompt:
@@ -72,7 +81,8 @@ class HeldPrompt:
         self.holding = True  # until the prompt's backward: its recompute computes the held values again
         # from the prompt's backward on: per layer, what the parts accumulated in its held k/v's .grad
         self.grads: Dict[int, Tuple[Optional[Tensor], Optional[Tensor]]] = {}
-        self.root: Optional[Tensor] = None  # the prompt's last hidden row, in its graph
+        # the prompt's last hidden row, in its graph; on a pipeline stage before the last, its output
+        self.root: Optional[Tensor] = None
         self.last_hidden: Optional[Tensor] = None
         # Under context parallelism one rank's slice holds that row, and the rank whose share of
         # the rows the loss projects has its gradient: it is summed over the CP ranks. The others'
@@ -80,6 +90,12 @@ class HeldPrompt:
         # prompt's graph runs.
         self.owns_root = True
         self.cp_group = None
+        self.pipeline: Optional[PromptPipeline] = None  # under pipeline parallelism
+        self.input: Optional[Tensor] = None  # after the first stage: the previous stage's output, a leaf
+
+    @property
+    def on_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.is_last
 
     def hold(self, layer: int, key: Tensor, value: Tensor, copy_key: bool) -> Tuple[Tensor, Tensor]:
         """What a layer's core attention calls on the prompt's k/v [t, heads, d]: they come back
@@ -114,10 +130,7 @@ class HeldPrompt:
 
     def backward(self) -> None:
         """The prompt's one backward, after every part's (``_AfterLastPart``)."""
-        grad = self.last_hidden.grad if self.last_hidden.grad is not None else torch.zeros_like(self.last_hidden)
-        if context_parallel_size(self.cp_group) > 1:
-            torch.distributed.all_reduce(grad, group=self.cp_group)
-            grad = grad if self.owns_root else torch.zeros_like(grad)
+        grad = self._root_gradient()
         # The held copies are read no more: their gradients alone go on, each layer's freed once that
         # layer's backward has added it, so the backward's peak is not the parts' (``MemoryModel``).
         self.grads = {layer: (k.grad, v.grad) for layer, (k, v) in self.kv.items()}
@@ -125,7 +138,19 @@ class HeldPrompt:
         self.kv, self.holding = {}, False
         root, self.root = self.root, None
         torch.autograd.backward(root, grad)
+        if self.input is not None:
+            self.pipeline.send(self.input.grad, self.pipeline.stage - 1)
         self.release()
+
+    def _root_gradient(self) -> Tensor:
+        if not self.on_last_stage:
+            # the next stage's prompt backward, inside its last part's backward, has sent it
+            return self.pipeline.receive(torch.empty_like(self.root), self.pipeline.stage + 1)
+        grad = self.last_hidden.grad if self.last_hidden.grad is not None else torch.zeros_like(self.last_hidden)
+        if context_parallel_size(self.cp_group) > 1:
+            torch.distributed.all_reduce(grad, group=self.cp_group)
+            grad = grad if self.owns_root else torch.zeros_like(grad)
+        return grad
 
     def _free_held_copies(self) -> None:
         """The last part's graph lives until its backward call, which runs the prompt's, has ended,
@@ -139,7 +164,7 @@ class HeldPrompt:
                     tensor.data = tensor.new_empty(0)
 
     def release(self) -> None:
-        self.kv, self.grads, self.root, self.last_hidden = {}, {}, None, None
+        self.kv, self.grads, self.root, self.last_hidden, self.input = {}, {}, None, None, None
 
 
 class HeldKV(torch.autograd.Function):
@@ -168,10 +193,14 @@ class _AfterLastPart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # the engine's hook for work after the whole backward call (torch's DDP reduces there):
-        # by then every part's gradient of the held tensors is in their .grad
-        torch.autograd.Variable._execution_engine.queue_callback(ctx.held.backward)
+        _queue_prompt_backward(ctx.held)
         return None, grad
+
+
+def _queue_prompt_backward(held: HeldPrompt) -> None:
+    # the engine's hook for work after the whole backward call (torch's DDP reduces there):
+    # by then every part's gradient of the held tensors is in their .grad
+    torch.autograd.Variable._execution_engine.queue_callback(held.backward)
 
 
 @dataclass(eq=False)
@@ -316,7 +345,8 @@ def prefix_reuse_output(model, micro_batch, layout: str):
     forward first where this is its first part. The rows are every token's, with a backward that
     sums the TP ranks' gradients (``logprobs.all_rows``): the loss takes them with
     ``logprobs_from_output(..., all_tokens=True)``, and the prompt's backward starts from its
-    last row with the held copy's gradient, which holds this rank's vocabulary shard's share."""
+    last row with the held copy's gradient, which holds this rank's vocabulary shard's share. On a
+    pipeline stage before the last: the part's output for the next stage, and the micro-batch."""
     from .logprobs import all_rows, packed_output
 
     part: PrefixReuseBatch = micro_batch.batch
@@ -328,30 +358,72 @@ def prefix_reuse_output(model, micro_batch, layout: str):
     if held is None:
         raise ValueError(f"prefix reuse: part {part.index} runs before its prompt's first part (index 0); "
                          "give a group's parts in order, in one forward_backward call")
-    hidden = all_rows(model, packed_output(model, part, held))
+    output = packed_output(model, part, held)
     last = part.index == prompt.num_parts - 1
-    first_row = _AfterLastPart.apply(held, held.last_hidden) if last and held.requires_grad else held.last_hidden
     if last and not held.requires_grad:
         prompt.held = None
+    if not held.on_last_stage:
+        if last and held.requires_grad:
+            # a hook, not _AfterLastPart's identity: a stage's output must not be a view (Megatron's
+            # deallocate_pipeline_outputs frees its storage once sent)
+            output.register_hook(lambda _: _queue_prompt_backward(held))
+        return output, micro_batch
+    hidden = all_rows(model, output)
+    first_row = _AfterLastPart.apply(held, held.last_hidden) if last and held.requires_grad else held.last_hidden
     hidden = torch.cat([first_row, hidden[: part.num_tokens - part.layout.pad_len]])
     return hidden, replace(micro_batch, batch=part.stub)
 
 
 def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
-    from .logprobs import packed_output, tensor_parallel_rows
+    from .logprobs import tensor_parallel_rows
 
     config = get_attr_wrapped_model(model, "config")
     on_host = torch.is_grad_enabled() and getattr(config, "prefix_reuse_prompt_on_host", False)
     held = HeldPrompt(len(prompt.tokens), torch.is_grad_enabled(), on_host)
+    held.pipeline = prompt_pipeline()
     with host_stash().hooks() if on_host else nullcontext():
-        hidden = tensor_parallel_rows(model, packed_output(model, prompt.batch, held))
-    layers = config.num_layers
+        output = _stage_prompt_output(model, prompt, held)
+        hidden = tensor_parallel_rows(model, output) if held.on_last_stage else output
+    layers = len(get_attr_wrapped_model(model, "decoder").layers)  # this pipeline stage's
     if len(held.kv) != layers:
         raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
                          "DualKVAttention as every layer's core attention (the local layer spec, not Transformer "
                          "Engine's; no Gated DeltaNet layers, whose prompt state is no K/V)")
-    _hold_last_row(held, hidden, prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
+    if held.on_last_stage:
+        _hold_last_row(held, hidden, prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
+    else:
+        held.root = output
+        held.pipeline.send(output, held.pipeline.stage + 1)
     return held
+
+
+def _stage_prompt_output(model, prompt: SharedPrompt, held: HeldPrompt) -> Tensor:
+    """The prompt's output of this pipeline stage: from its tokens on the first stage, else from the
+    previous stage's output (``held.input``) in place of the input the schedule set for the part."""
+    from .logprobs import packed_output
+
+    if held.pipeline is None or held.pipeline.is_first:
+        return packed_output(model, prompt.batch, held)
+    held.input = held.pipeline.receive(_stage_input_buffer(model, prompt), held.pipeline.stage - 1)
+    held.input.requires_grad_(held.requires_grad)
+    decoder = get_attr_wrapped_model(model, "decoder")
+    parts_input = decoder.input_tensor
+    decoder.set_input_tensor(held.input)
+    try:
+        return packed_output(model, prompt.batch, held)
+    finally:
+        decoder.set_input_tensor(parts_input)
+
+
+def _stage_input_buffer(model, prompt: SharedPrompt) -> Tensor:
+    """Room for this rank's rows of the previous stage's prompt output, as Megatron's schedule sizes
+    a stage's input: its CP slice of the padded prompt, its shard of that under sequence parallelism."""
+    from .logprobs import _model_device
+
+    config = get_attr_wrapped_model(model, "config")
+    local = context_parallel_slice(prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
+    rows = (local.stop - local.start) // (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+    return torch.empty(rows, 1, config.hidden_size, dtype=config.pipeline_dtype, device=_model_device(model))
 
 
 def _hold_last_row(held: HeldPrompt, hidden: Tensor, num_tokens: int, cp_group) -> None:
@@ -374,7 +446,8 @@ def check_prefix_reuse_supported(model, layout: str) -> None:
     """ValueError naming what prefix reuse does not run with yet."""
     unsupported = [
         (layout != "packed", f"the {layout} layout"),
-        (parallel_state.get_pipeline_model_parallel_world_size() > 1, "pipeline parallelism"),
+        (bool(parallel_state.get_virtual_pipeline_model_parallel_world_size()),
+         "the interleaved pipeline schedule (virtual pipeline parallelism)"),
         (getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False),
          "DDP's overlap_grad_reduce (its buckets would reduce before the prompt's backward)"),
     ]

@@ -30,7 +30,8 @@ from ..packing import PackedBatch
 from ..trajectories import TrajectoryBatch
 from .logprobs import LAYOUTS, logprobs_from_output, model_output, response_logprobs
 from .losses import PolicyLoss
-from .prefix_reuse import PrefixReuseBatch, prefix_reuse_output
+from .prefix_reuse import PrefixReuseBatch, check_prefix_reuse_supported, prefix_reuse_output
+from .prompt_pipeline import prompt_pipeline_step
 from .responses import ResponseTokens
 
 
@@ -162,10 +163,12 @@ def forward_backward(
     if not micro_batches:
         raise ValueError("forward_backward: no micro-batches given")
     chunks = model if isinstance(model, (list, tuple)) else [model]
+    if any(isinstance(mb.batch, PrefixReuseBatch) for mb in micro_batches):
+        check_prefix_reuse_supported(chunks[0], layout)  # before the interleaved schedule's padding
     if parallel_state.get_virtual_pipeline_model_parallel_world_size():
         micro_batches = _same_length(micro_batches, layout)
     forward_only = loss_fn is None
-    with torch.no_grad() if forward_only else contextlib.nullcontext():
+    with torch.no_grad() if forward_only else contextlib.nullcontext(), prompt_pipeline_step():
         outputs = get_forward_backward_func()(
             forward_step_func=rl_forward_step(loss_fn, layout, with_entropy),
             # every model chunk (virtual pipeline stage) walks through the same micro-batches
