@@ -639,6 +639,40 @@ def test_bench_full_depth_prefix_reuse_dry_run(bench, tmp_path, monkeypatch, cap
         assert error in capsys.readouterr().err
 
 
+def test_bench_extrapolates_a_replicated_step_from_its_first_micro_batches(bench, tmp_path, monkeypatch):
+    """--replicated-sample: a step of M micro-batches of one shape from steps of its first one and two,
+    t1 + (M - 1)(t2 - t1), with M times one micro-batch's FLOPs and tokens; and through the tool."""
+    timed = []
+
+    @dataclasses.dataclass
+    class Step:  # the fields of the launch script's StepStats that the tool reads
+        seconds: float
+        flops: float
+        rollout_tokens: int
+        micro_batches: int
+        peak_memory_gib: float
+
+    def fake_steps(policy, group, layout, max_tokens, repeats):
+        timed.append(len(group.responses))
+        m = len(group.responses) // 2
+        return [Step(1.0 + 3.0 * m, 10.0 * m, 7 * m, m, float(m))]
+
+    group = bench.rollout_group(8, 16, 4, 64, seed=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(bench, "run_steps", fake_steps)
+        (step,) = bench.extrapolated_steps(None, group, 16 + 2 * 4, 1, responses=2)
+    assert timed == [2, 4]
+    assert (step.seconds, step.flops, step.rollout_tokens, step.micro_batches, step.peak_memory_gib) == (13.0, 40.0, 28, 4, 2.0)
+    with pytest.raises(SystemExit, match="micro-batches of one shape: 8 responses in parts of 3"):
+        bench.extrapolated_steps(None, group, 16 + 3 * 4, 1, responses=3)
+    monkeypatch.setattr(bench, "plot", lambda results, path, baseline: None)  # needs matplotlib
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bench.main(["--device", device, "--tiny", "--full-depth", "--models", "qwen3-tiny", "--repeats", "1",
+                "--layouts", "replicated", "--replicated-sample", "--workloads", "4x96x24", "--out", str(tmp_path)])
+    (row,) = bench.read_results(tmp_path / "policy_update_full_depth.csv")
+    assert row.extrapolated and row.micro_batches == 4 // row.micro_batch_responses and row.step_s > 0
+
+
 def test_bench_profile_counts_overlapping_kernels_once(bench):
     """--profile's GPU busy time: the union of the kernels' spans (microseconds), not their sum."""
     assert bench.busy_seconds([]) == 0.0

@@ -45,8 +45,10 @@ cost, and the parts ran 0.84x as fast); the replicated layout 1.1e17 (minutes). 
 4,096 a prefix-reuse part fits only with the prompt's saved activations on the host
 (``prefix_reuse_prompt_on_host``: parts of 8 responses, selective recompute and 33 layers whole,
 121 GiB, 62 GiB on the host), and the split
-takes 1.2e17 FLOPs a step, the replicated layout 4e17: measure those one layout per call, or not at
-all within a 10-minute limit. A row's recompute says ", prompt on host" where it ran so.
+takes 1.2e17 FLOPs a step, the replicated layout 4e17: measure those one layout per call, the
+replicated one with ``--replicated-sample`` (its step extrapolated from its first one and two
+micro-batches, ``extrapolated_steps``; the row says so) where a step outlasts the run's time limit.
+A row's recompute says ", prompt on host" where it ran so.
 
 ``--update FILE.csv`` replaces the rows of the models measured now in that table (the others keep
 theirs, with the matmul rate of their own run) and redraws its PNG.
@@ -71,7 +73,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -140,6 +142,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per measurement (median)")
     parser.add_argument("--replicated-repeats", type=int, default=None,
                         help="timed steps of the replicated layout (default: --repeats; its steps take 5-10x longer)")
+    parser.add_argument("--replicated-sample", action="store_true",
+                        help="--full-depth: time the replicated layout on its first one and two micro-batches and "
+                             "extrapolate its step (``extrapolated_steps``), for a step longer than a run may take")
     parser.add_argument("--models", default=None,
                         help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
     parser.add_argument("--profile", action="store_true",
@@ -219,6 +224,7 @@ class Result:
     spec: str = "local"  # the layer spec, as the launch script's first line names it
     max_tokens: int = 0  # the step's micro-batch budget in packed tokens: the launch script's --max-tokens for this row
     prompt_on_host: bool = False  # reuse: the held prompt's activations waited on the host
+    extrapolated: bool = False  # replicated: the step from its first micro-batches (--replicated-sample)
 
     @property
     def name(self) -> str:
@@ -507,7 +513,8 @@ def bench_full_depth(card: str, workloads, args, peak_tflops: float) -> List[Res
         group = rollout_group(n, p, r, vocab_size, seed=n)
         rows = {layout: run_best_setting(policies, memory, cost, group, Result(card, memory.config.num_layers, n, p, r, layout),
                                          budget, args.replicated_repeats or args.repeats if layout == "replicated"
-                                         else args.repeats, peak_tflops)
+                                         else args.repeats, peak_tflops,
+                                         sample=args.replicated_sample and layout == "replicated")
                 for layout in LAYOUTS if layout in args.layouts}
         for layout, reference in (("packed", "replicated"), ("reuse", "packed")):
             if layout in rows and reference in rows:
@@ -519,24 +526,31 @@ def bench_full_depth(card: str, workloads, args, peak_tflops: float) -> List[Res
 
 
 def run_best_setting(policies: PolicyCache, memory: MemoryModel, cost: CostModel, group: RolloutGroup, result: Result,
-                     budget: float, repeats: int, peak_tflops: float) -> Result:
+                     budget: float, repeats: int, peak_tflops: float, sample: bool = False) -> Result:
+    """``result`` at the first of the layout's ranked settings whose steps fit; ``sample``: the step
+    extrapolated from its first micro-batches (``extrapolated_steps``)."""
     workload = (result.n, result.p, result.r)
     for setting in candidate_settings(memory, cost, budget, workload, result.layout):
         # no local name for the policy: the next setting's rebuild frees it
         steps = steps_that_fit(policies.get(setting.recompute, setting.recompute_layers, setting.prompt_on_host), group,
                                result.layout, result.p + setting.responses * result.r, repeats,
-                               f"{result.model} {result.layout} {workload}: {setting}")
+                               f"{result.model} {result.layout} {workload}: {setting}",
+                               sample_responses=setting.responses if sample else 0)
         if steps is not None:
+            result.extrapolated = sample
             return measured_at(result, setting, steps, peak_tflops)
     print(f"  {result.model} {result.layout} {workload}: no setting fits", flush=True)
     return result
 
 
-def steps_that_fit(policy, rollouts, layout: str, max_tokens: int, repeats: int, label: str):
-    """``run_steps``, or None when they run out of memory."""
+def steps_that_fit(policy, rollouts, layout: str, max_tokens: int, repeats: int, label: str, sample_responses: int = 0):
+    """``run_steps`` (``extrapolated_steps`` with ``sample_responses`` a micro-batch), or None when
+    they run out of memory."""
     # a setting's steps can take minutes at long contexts: say what runs, so a cut-off run still shows it
     print(f"  {label} at {max_tokens} tokens: running", flush=True)
     try:
+        if sample_responses:
+            return extrapolated_steps(policy, rollouts, max_tokens, repeats, sample_responses)
         return run_steps(policy, rollouts, layout, max_tokens, repeats)
     except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
@@ -547,6 +561,32 @@ def steps_that_fit(policy, rollouts, layout: str, max_tokens: int, repeats: int,
     print(f"  {label} at {max_tokens} tokens runs out of memory: {reason}", flush=True)
     free_memory()
     return None
+
+
+def extrapolated_steps(policy, group: RolloutGroup, max_tokens: int, repeats: int, responses: int):
+    """The replicated step of ``group``, in micro-batches of ``responses`` responses, from timed steps
+    on its first one and two micro-batches: they all have one shape, so a step of M takes
+    t1 + (M - 1) (t2 - t1), which leaves out what a step adds once (the optimizer's); its FLOPs and
+    rollout tokens are M times one micro-batch's, its peak the larger run's. For a step longer than
+    a run may take (16 x 131,072 x 4,096 replicated: 4e17 FLOPs)."""
+    n = len(group.responses)
+    if n % responses:
+        raise SystemExit(f"--replicated-sample needs micro-batches of one shape: {n} responses in parts of {responses}")
+    count = n // responses
+    sampled = [run_steps(policy, first_responses(group, m * responses), "replicated", max_tokens, repeats)
+               for m in (1, min(2, count))]
+    one, two = (statistics.median(s.seconds for s in steps) for steps in sampled)
+    first = sampled[0][0]
+    print(f"  extrapolated from 1 and 2 of {count} micro-batches: {one:.4g} s and {two:.4g} s", flush=True)
+    return [replace(first, seconds=one + (count - 1) * (two - one), flops=first.flops * count,
+                    rollout_tokens=first.rollout_tokens * count, micro_batches=count,
+                    peak_memory_gib=max(s.peak_memory_gib for steps in sampled for s in steps))]
+
+
+def first_responses(group: RolloutGroup, count: int) -> RolloutGroup:
+    """``group``'s prompt with its first ``count`` responses."""
+    return RolloutGroup(group.prompt, group.responses[:count],
+                        rewards=group.rewards[:count] if group.rewards is not None else None)
 
 
 def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> Result:
@@ -632,7 +672,8 @@ COLUMNS = ["model", "spec", "N", "P", "R", "layout", "mb resp", "mb tokens", "--
 def row(result: Result) -> str:
     recompute = setting_label(result.recompute, result.recompute_layers, result.prompt_on_host)
     cells = [result.model, result.spec, result.n, result.p, result.r, result.layout, result.micro_batch_responses or "oom",
-             result.micro_batch_tokens, result.max_tokens, result.micro_batches, recompute, f"{result.step_s:.4g}",
+             result.micro_batch_tokens, result.max_tokens, result.micro_batches, recompute,
+             f"{result.step_s:.4g}" + " (extrapolated)" * result.extrapolated,
              f"{result.tokens_per_s:,.0f}", f"{result.tflops:.4g}", f"{100 * result.mfu:.1f}%",
              f"+{100 * result.recompute_flops:.1f}%", f"{result.peak_gib:.1f}", f"{result.predicted_gib:.1f}",
              "" if result.layout == "replicated" or math.isnan(result.speedup) else f"{result.speedup:.2f}x"]
@@ -707,6 +748,7 @@ def model_flags(args, name: str, out: Path) -> List[str]:
                  ["--workloads", ",".join("x".join(map(str, w)) for w in args.workloads)] if args.workloads else [])
     flags += ["--budget-gib", str(args.budget_gib)] if args.budget_gib is not None else []
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
+    flags += ["--replicated-sample"] * args.replicated_sample
     flags += ["--stack-dumps", str(args.stack_dumps)] if args.stack_dumps else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
         "--agent"] * args.agent + ["--verbose"] * args.verbose
