@@ -566,9 +566,9 @@ def steps_that_fit(policy, rollouts, layout: str, max_tokens: int, repeats: int,
 def extrapolated_steps(policy, group: RolloutGroup, max_tokens: int, repeats: int, responses: int):
     """The replicated step of ``group``, in micro-batches of ``responses`` responses, from timed steps
     on its first one and two micro-batches: they all have one shape, so a step of M takes
-    t1 + (M - 1) (t2 - t1), which leaves out what a step adds once (the optimizer's); its FLOPs and
-    rollout tokens are M times one micro-batch's, its peak the larger run's. For a step longer than
-    a run may take (16 x 131,072 x 4,096 replicated: 4e17 FLOPs)."""
+    t1 + (M - 1) (t2 - t1), with what a step runs once (the optimizer's step) counted once; its FLOPs
+    and rollout tokens are M times one micro-batch's, its peak the larger run's. For a step longer
+    than a run may take (16 x 131,072 x 4,096 replicated: 4e17 FLOPs)."""
     n = len(group.responses)
     if n % responses:
         raise SystemExit(f"--replicated-sample needs micro-batches of one shape: {n} responses in parts of {responses}")
