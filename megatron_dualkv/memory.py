@@ -622,17 +622,20 @@ class MemoryModel:
         held = (self.held_prompt_bytes(held_prompt_tokens, recompute, recompute_layers, pp_rank)
                 if held_prompt_tokens else None)
         return self._micro_batch_estimate(tokens, rows, recompute, recompute_layers, num_micro_batches, pp_rank, layout,
-                                          held)
+                                          held, held_prompt_tokens)
 
     def _micro_batch_estimate(self, tokens: int, rows: int, recompute: str, recompute_layers: Optional[int],
                               num_micro_batches: int, pp_rank: int, layout: str,
-                              held_bytes: Optional[float]) -> MemoryEstimate:
+                              held_bytes: Optional[float], held_tokens: int = 0) -> MemoryEstimate:
         """The static parts, the in-flight micro-batches' activations, one backward's transient, and
-        what prefix reuse holds beside them (``held_bytes``; None: no part "held prompt")."""
+        what prefix reuse holds beside them (``held_bytes``; None: no part "held prompt"). Of each
+        micro-batch's ``tokens``, ``held_tokens`` are the held prompt's, whose activations a rank
+        keeps once however many of its parts a pipeline stage holds at once."""
         parts = dict(self.static_parts(pp_rank))
         per_token = self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)
-        per_micro_batch = per_token * tokens + self.fp8_weight_bytes(recompute, recompute_layers, pp_rank)
-        parts["activations"] = per_micro_batch * self.in_flight_micro_batches(num_micro_batches, pp_rank)
+        in_flight = self.in_flight_micro_batches(num_micro_batches, pp_rank)
+        fp8_weights = self.fp8_weight_bytes(recompute, recompute_layers, pp_rank)
+        parts["activations"] = per_token * ((tokens - held_tokens) * in_flight + held_tokens) + fp8_weights * in_flight
         parts["transient"] = self.transient_bytes(tokens, rows, recompute, recompute_layers, pp_rank, layout)
         if held_bytes is not None:
             parts["held prompt"] = held_bytes

@@ -196,9 +196,14 @@ def test_memory_model_counts_the_held_prompt(mode, rows):
     estimate = memory.predict(160, recompute=mode, held_prompt_tokens=100)
     assert estimate.parts["held prompt"] == rows * per_row
     assert estimate.total == memory.predict(160, recompute=mode).total + rows * per_row
-    # a pipeline stage holds its own layers' K/V
+    # a pipeline stage holds its own layers' K/V, and the prompt's activations once however many of
+    # its parts are in flight (2 on the first of two stages, 60 tokens each)
     staged = MemoryModel.for_card("qwen3-tiny", ParallelSizes(pp=2), dtype=torch.bfloat16)
     assert [staged.held_prompt_bytes(100, mode, pp_rank=rank) for rank in (0, 1)] == [rows * per_row / 2] * 2
+    per_token = staged.activation_bytes_per_token(mode)
+    assert staged.in_flight_micro_batches(4) == 2
+    held = staged.predict(160, recompute=mode, num_micro_batches=4, held_prompt_tokens=100)
+    assert held.parts["activations"] == per_token * (100 + 2 * 60)
     gemma = MemoryModel.for_card("gemma4-tiny", dtype=torch.bfloat16)  # full-attention layers: their own K/V shape
     layers = [gemma.config.for_layer(n) for n in range(1, gemma.config.num_layers + 1)]
     assert len({(layer.num_query_groups, layer.kv_channels) for layer in layers}) == 2
