@@ -633,7 +633,9 @@ def test_bench_full_depth_prefix_reuse_dry_run(bench, tmp_path, monkeypatch, cap
     assert reuse.speedup == pytest.approx(packed.step_s / reuse.step_s) and math.isfinite(reuse.speedup)
     assert reuse.tokens_per_s > 0 and reuse.recompute_flops == 0.0
     for flags, error in ((["--workloads", "4x96"], "'4x96' is not NxPxR"),
-                         (["--layouts", "packed,reuse"], "--layouts reuse: prefix reuse runs with --full-depth")):
+                         (["--layouts", "packed,reuse"], "--layouts reuse: prefix reuse runs with --full-depth"),
+                         (["--full-depth", "--agent", "--replicated-sample"], "--replicated-sample extrapolates"),
+                         (["--full-depth", "--layouts", "packed", "--replicated-sample"], "with replicated (no --agent)")):
         with pytest.raises(SystemExit):
             bench.parse_args(["--device", "cpu", "--tiny", *flags])
         assert error in capsys.readouterr().err

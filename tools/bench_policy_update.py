@@ -180,6 +180,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
     if "reuse" in args.layouts and (not args.full_depth or args.agent):
         parser.error("--layouts reuse: prefix reuse runs with --full-depth on rollout groups (no --agent)")
+    if args.replicated_sample and (not args.full_depth or args.agent or "replicated" not in args.layouts):
+        parser.error("--replicated-sample extrapolates the replicated layout's step of a rollout group: pass "
+                     "--full-depth and --layouts with replicated (no --agent)")
     if len(args.model_names) == 1 and args.device == "cpu" and torch.cuda.is_available():
         parser.error("--device cpu on a machine with a GPU: the models would still be built on the GPU")
     return args
