@@ -585,15 +585,14 @@ class MemoryModel:
         # On the host a layer keeps what autograd saves without selective recompute: that recompute
         # frees outputs on the GPU after their consumers saved them, and here the consumers' saves
         # are the copies (``recompute.outputs_kept``). Layers recomputed whole keep their inputs.
+        layers = [(n, m) for chunk in chunk_layers(self.config, self.sizes, pp_rank)
+                  for n, m in zip(chunk, layer_modes(recompute, recompute_layers, chunk))]
         host_layer_bytes = [layer_activation_bytes(self.config, n, self.sizes, "full" if m == "full" else "none", layout,
-                                                   *self._spec)
-                            for chunk in chunk_layers(self.config, self.sizes, pp_rank)
-                            for n, m in zip(chunk, layer_modes(recompute, recompute_layers, chunk))]
+                                                   *self._spec) for n, m in layers]
         # The prompt's backward goes one layer at a time at the prompt's length: a layer that kept its
         # activations gets them back from the host, one recomputed whole computes them again, so
         # either holds its no-recompute activations beside its backward's working set.
-        widest = max(layer_activation_bytes(self.config, n, self.sizes, "none", layout, *self._spec)
-                     for chunk in chunk_layers(self.config, self.sizes, pp_rank) for n in chunk)
+        widest = max(layer_activation_bytes(self.config, n, self.sizes, "none", layout, *self._spec) for n, _ in layers)
         backward = {**self.static_parts(pp_rank),
                     "activations": widest * held,
                     "transient": self.transient_bytes(held, 1, "none", None, pp_rank, layout),

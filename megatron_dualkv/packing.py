@@ -24,6 +24,11 @@ class RolloutGroup:
     responses: Sequence[Sequence[int]]
     rewards: Optional[Sequence[float]] = None
 
+    def with_responses(self, indices: Sequence[int]) -> "RolloutGroup":
+        """The prompt with the responses (and rewards) at ``indices``, in that order."""
+        rewards = None if self.rewards is None else [self.rewards[i] for i in indices]
+        return RolloutGroup(self.prompt, [self.responses[i] for i in indices], rewards)
+
 
 @dataclass
 class ReplicatedBatch:

@@ -503,9 +503,7 @@ def _micro_batch(groups: List[RolloutGroup], offsets: List[int], items: List[_It
     items = sorted(items, key=lambda item: (item.group, item.responses))
     sub_groups = []
     for item in items:
-        group = groups[item.group]
-        rewards = None if group.rewards is None else [group.rewards[i] for i in item.responses]
-        sub_groups.append(RolloutGroup(group.prompt, [group.responses[i] for i in item.responses], rewards))
+        sub_groups.append(groups[item.group].with_responses(item.responses))
     return PlannedMicroBatch(
         groups=tuple(sub_groups),
         source_groups=tuple(item.group for item in items),

@@ -300,9 +300,7 @@ def warm_up_group(group: RolloutGroup, max_tokens: int, policy) -> List[RolloutG
     131K tokens takes minutes). Prefix reuse warms up on the whole group, whose first part alone
     would fit one micro-batch and skip the held prompt's kernels."""
     first = plan_micro_batches([group], max_tokens, attention_weight=policy.cost.attention_weight).ranks[0][0]
-    picked = first.source_responses[0]
-    return [RolloutGroup(group.prompt, [group.responses[i] for i in picked],
-                         rewards=[group.rewards[i] for i in picked] if group.rewards is not None else None)]
+    return [group.with_responses(first.source_responses[0])]
 
 
 def bench_layout(policy, group: RolloutGroup, layout: str, repeats: int, peak_tflops: float, result: Result) -> Result:
@@ -576,7 +574,7 @@ def extrapolated_steps(policy, group: RolloutGroup, max_tokens: int, repeats: in
     if n % responses:
         raise SystemExit(f"--replicated-sample needs micro-batches of one shape: {n} responses in parts of {responses}")
     count = n // responses
-    sampled = [run_steps(policy, first_responses(group, m * responses), "replicated", max_tokens, repeats)
+    sampled = [run_steps(policy, group.with_responses(range(m * responses)), "replicated", max_tokens, repeats)
                for m in (1, min(2, count))]
     one, two = (statistics.median(s.seconds for s in steps) for steps in sampled)
     first = sampled[0][0]
@@ -584,12 +582,6 @@ def extrapolated_steps(policy, group: RolloutGroup, max_tokens: int, repeats: in
     return [replace(first, seconds=one + (count - 1) * (two - one), flops=first.flops * count,
                     rollout_tokens=first.rollout_tokens * count, micro_batches=count,
                     peak_memory_gib=max(s.peak_memory_gib for steps in sampled for s in steps))]
-
-
-def first_responses(group: RolloutGroup, count: int) -> RolloutGroup:
-    """``group``'s prompt with its first ``count`` responses."""
-    return RolloutGroup(group.prompt, group.responses[:count],
-                        rewards=group.rewards[:count] if group.rewards is not None else None)
 
 
 def measured_at(result: Result, setting: Setting, steps, peak_tflops: float) -> Result:

@@ -186,13 +186,13 @@ def _prefix_dkdv_kernel(Q, PK, PV, DO, DPK, DPV, LSE, DELTA, POS, TILES, stride_
 
 
 # ==================================================================================== host side
-def _configs(head_dim: int, device: torch.device, dtype: torch.dtype, windowed: bool) -> Dict[str, KernelConfig]:
-    """Each pass's blocks: the DualKV kernels' for the same pass (``kernel_config``), whose inner
-    loops these share, the dK/dV pass's with a window as theirs (``dkdv_window``). A prompt held for
-    prefix reuse is long (a 127K-token prompt against 32K queries a part), so its tiles need the
-    tensor-core shapes of the main kernels."""
-    return {"fwd": kernel_config("fwd", head_dim, device, dtype), "dq": kernel_config("dq", head_dim, device, dtype),
-            "dkdv": dkdv_config(head_dim, device, dtype, windowed)}
+def _backward_configs(head_dim: int, device: torch.device, dtype: torch.dtype,
+                      windowed: bool) -> Dict[str, KernelConfig]:
+    """The backward passes' blocks: the DualKV kernels' for the same pass, whose inner loops these
+    share (the forward's likewise, ``kernel_config``), the dK/dV pass's with a window as theirs
+    (``dkdv_window``). A prompt held for prefix reuse is long (a 127K-token prompt against 32K
+    queries a part), so its tiles need the tensor-core shapes of the main kernels."""
+    return {"dq": kernel_config("dq", head_dim, device, dtype), "dkdv": dkdv_config(head_dim, device, dtype, windowed)}
 
 
 def _query_tiles(layout: PrefixedLayout, block: int) -> torch.Tensor:
@@ -255,7 +255,7 @@ class _PrefixAttnTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, prefix_k, prefix_v, layout, scale, window_size, softcap, deterministic):
         T, Hq, D = q.shape
         t = kernel_tables(_causal_layout(layout), D, k.shape[1], deterministic, False, window_size, q.dtype)
-        cfg = _configs(D, q.device, q.dtype, window_size is not None)["fwd"]
+        cfg = kernel_config("fwd", D, q.device, q.dtype)
         query_tiles = _query_tiles(layout, cfg.block_m)
         out_b, lse_b = _fwd(q, k, v, t.fwd_tiles, t.pieces, scale, window_size, softcap, False)
         out_a = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)
@@ -284,7 +284,7 @@ class _PrefixAttnTriton(torch.autograd.Function):
         # piece B on the merged (out, lse): its exact share (module docstring)
         dq_b, dk, dv = _bwd(dout, q, k, v, out, lse, t.dq_tiles, t.pieces, t.kv_items, t.kv_reduce, t.num_slots,
                             t.positions, scale, window_size, softcap, deterministic, False)
-        configs = _configs(D, q.device, q.dtype, window_size is not None)
+        configs = _backward_configs(D, q.device, q.dtype, window_size is not None)
         query_tiles, key_tiles = _query_tiles(layout, configs["dq"].block_m), _key_tiles(layout, configs["dkdv"].block_n)
         delta = (dout.float() * out.float()).sum(-1).t().contiguous()
         dq_a = torch.zeros(T, Hq, D, device=q.device, dtype=torch.float32)

@@ -259,7 +259,7 @@ def pack_prefix_reuse(group: RolloutGroup, parts: Sequence[Sequence[int]], pad_t
     check_rollout_groups([group], "pack_prefix_reuse")
     _check_parts("pack_prefix_reuse", parts, len(group.responses), "the group's responses")
     prompt = SharedPrompt(torch.as_tensor(list(group.prompt), dtype=torch.long), len(parts))
-    return [prefix_reuse_part(prompt, index, _responses_of(group, part), pad_to_multiple_of, pad_token_id)
+    return [prefix_reuse_part(prompt, index, group.with_responses(part), pad_to_multiple_of, pad_token_id)
             for index, part in enumerate(parts)]
 
 
@@ -291,11 +291,6 @@ def _check_parts(caller: str, parts: Sequence[Sequence[int]], count: int, what: 
     if not parts or any(not part for part in parts) or every != list(range(count)):
         raise ValueError(f"{caller}: parts {[list(p) for p in parts]} must split {what} ({count}), "
                          "each into exactly one non-empty part")
-
-
-def _responses_of(group: RolloutGroup, part: Sequence[int]) -> RolloutGroup:
-    rewards = None if group.rewards is None else [group.rewards[i] for i in part]
-    return RolloutGroup(group.prompt, [group.responses[i] for i in part], rewards)
 
 
 def prefix_reuse_part(prompt: SharedPrompt, index: int, responses: Union[RolloutGroup, Sequence[Trajectory]],
@@ -383,14 +378,15 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
     held.pipeline = prompt_pipeline()
     with host_stash().hooks() if on_host else nullcontext():
         output = _stage_prompt_output(model, prompt, held)
-        hidden = tensor_parallel_rows(model, output) if held.on_last_stage else output
+        if held.on_last_stage:
+            output = tensor_parallel_rows(model, output)
     layers = len(get_attr_wrapped_model(model, "decoder").layers)  # this pipeline stage's
     if len(held.kv) != layers:
         raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
                          "DualKVAttention as every layer's core attention (the local layer spec, not Transformer "
                          "Engine's; no Gated DeltaNet layers, whose prompt state is no K/V)")
     if held.on_last_stage:
-        _hold_last_row(held, hidden, prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
+        _hold_last_row(held, output, prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
     else:
         held.root = output
         held.pipeline.send(output, held.pipeline.stage + 1)
