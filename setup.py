@@ -21,7 +21,7 @@ setup(
         # psutil, which Megatron's distributed-checkpoint writer needs, TensorBoard logs
         # (--tensorboard-dir) and tools/plot_run.py's plots. Hugging Face tokenizers need transformers.
         "examples": ["tqdm", "sentencepiece", "psutil", "tensorboard", "matplotlib"],
-        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.50", "safetensors", "sentencepiece", "tqdm", "psutil",
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "transformers>=5.25", "safetensors", "sentencepiece", "tqdm", "psutil",
                  "tensorboard", "matplotlib"],
         "bench": ["matplotlib"],
         # Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on CUDA: fla's chunked kernels, pinned because

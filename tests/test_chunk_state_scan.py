@@ -1,5 +1,5 @@
 """The chunked gated delta rule's state scan (``ops.chunk_state_scan``): its Triton kernels (on the
-interpreter here) against the PyTorch loop at float64, outputs, final state and the gradient of
+interpreter on a machine without a GPU) against the PyTorch loop at float64, outputs, final state and the gradient of
 every input, within flash-attention's bound (2x the float32 loop's error); the "triton" backend of
 ``gated_delta_rule_func`` against the reference recurrence on a group and a tree; and the shapes
 the kernels cannot take, refused by name."""
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flash_check import assert_within_twice_the_reference_error
+from flash_check import DEVICE, assert_within_twice_the_reference_error
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
 from megatron_dualkv.ops.chunk_state_scan import chunk_state_scan_func, chunk_state_scan_reference
 from megatron_dualkv.ops.gated_delta_rule import gated_delta_rule_func, torch_chunk_varlen
@@ -18,17 +18,18 @@ NAMES = ("u0", "w", "read_state", "attention", "to_end", "chunk_decay", "state")
 EPS = 1e-5
 
 
-def _scan_inputs(lead, chunks, size, dk, dv, seed):
+def _scan_inputs(lead, chunks, size, dk, dv, seed, device=DEVICE):
     """float64 inputs scaled as the rule's are: W and E small enough that the state stays bounded
-    over the chunks, A lower triangular, the decay in (0, 1]."""
+    over the chunks, A lower triangular, the decay in (0, 1]; on the device the kernels run on."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
         return torch.randn(*lead, *shape, generator=gen, dtype=torch.float64) * scale
 
-    return [randn(chunks, size, dv), randn(chunks, size, dk, scale=0.1), randn(chunks, size, dk),
-            randn(chunks, size, size).tril(), randn(chunks, size, dk, scale=0.1),
-            torch.rand(*lead, chunks, generator=gen, dtype=torch.float64), randn(dk, dv)]
+    inputs = [randn(chunks, size, dv), randn(chunks, size, dk, scale=0.1), randn(chunks, size, dk),
+              randn(chunks, size, size).tril(), randn(chunks, size, dk, scale=0.1),
+              torch.rand(*lead, chunks, generator=gen, dtype=torch.float64), randn(dk, dv)]
+    return [x.to(device) for x in inputs]
 
 
 def _outputs_and_grads(inputs, d_out, d_final, dtype, **kw):
@@ -41,8 +42,8 @@ def _outputs_and_grads(inputs, d_out, d_final, dtype, **kw):
 def _check_triton_scan(lead, chunks, size, dk, dv, seed):
     inputs = _scan_inputs(lead, chunks, size, dk, dv, seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    d_out = torch.randn(*lead, chunks, size, dv, generator=gen, dtype=torch.float64)
-    d_final = torch.randn(*lead, dk, dv, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(*lead, chunks, size, dv, generator=gen, dtype=torch.float64).to(DEVICE)
+    d_final = torch.randn(*lead, dk, dv, generator=gen, dtype=torch.float64).to(DEVICE)
     exact = _outputs_and_grads(inputs, d_out, d_final, torch.float64)
     loop = _outputs_and_grads(inputs, d_out, d_final, torch.float32)
     ours = _outputs_and_grads(inputs, d_out, d_final, torch.float32, backend="triton")
@@ -81,7 +82,7 @@ def test_the_bound_catches_a_scan_that_misses_one_decay():
 def test_auto_runs_the_loop_off_cuda():
     """No kernel on a CPU tensor unless asked for: float64 (which the kernels refuse) runs, and it
     is the loop itself."""
-    inputs = _scan_inputs((2,), 3, 16, 16, 16, seed=2)
+    inputs = _scan_inputs((2,), 3, 16, 16, 16, seed=2, device="cpu")
     for a, b in zip(chunk_state_scan_func(*inputs), chunk_state_scan_reference(*inputs)):
         assert torch.equal(a, b)
 
@@ -110,7 +111,7 @@ def test_what_the_kernels_cannot_take_is_named(size, dk, dv, dtype, match):
     (6, (3, 32, 16), r"state must be \(2, 32, 16\)"),
 ])
 def test_mismatched_shapes_are_refused(index, shape, match):
-    inputs = [x.float() for x in _scan_inputs((2,), 3, 16, 32, 16, seed=4)]
+    inputs = [x.float() for x in _scan_inputs((2,), 3, 16, 32, 16, seed=4, device="cpu")]
     inputs[index] = torch.zeros(shape)
     for backend in ("triton", "torch"):
         with pytest.raises(ValueError, match=match):
@@ -118,7 +119,7 @@ def test_mismatched_shapes_are_refused(index, shape, match):
 
 
 def test_mixed_dtypes_and_unknown_backends_are_refused():
-    inputs = [x.float() for x in _scan_inputs((2,), 3, 16, 16, 16, seed=4)]
+    inputs = [x.float() for x in _scan_inputs((2,), 3, 16, 16, 16, seed=4, device="cpu")]
     with pytest.raises(ValueError, match="chunk_decay is torch.float64 on cpu, u0 torch.float32 on cpu"):
         chunk_state_scan_func(*inputs[:5], inputs[5].double(), inputs[6])
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -129,22 +130,22 @@ def test_mixed_dtypes_and_unknown_backends_are_refused():
 
 def test_the_kernels_off_the_interpreter_need_cuda(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    inputs = [x.float() for x in _scan_inputs((2,), 3, 16, 16, 16, seed=4)]
+    inputs = [x.float() for x in _scan_inputs((2,), 3, 16, 16, 16, seed=4, device="cpu")]
     with pytest.raises(ValueError, match="runs on CUDA, or on the CPU under TRITON_INTERPRET=1, not on cpu"):
         chunk_state_scan_func(*inputs, backend="triton")
     layout = DualKVLayout((4,), ((3,),))
-    rule = _rule_inputs(layout.total_tokens, seed=0)
+    rule = _rule_inputs(layout.total_tokens, seed=0, device="cpu")
     with pytest.raises(ValueError, match="backend 'triton' runs on CUDA, or on the CPU under TRITON_INTERPRET=1"):
         gated_delta_rule_func(*rule, layout, backend="triton")
 
 
-def _rule_inputs(tokens, heads=1, value_heads=2, dk=16, dv=16, seed=0):
+def _rule_inputs(tokens, heads=1, value_heads=2, dk=16, dv=16, seed=0, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(tokens, heads, dk, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(tokens, value_heads, dv, generator=gen, dtype=torch.float64)
     g = -F.softplus(torch.randn(tokens, value_heads, generator=gen, dtype=torch.float64))
     beta = torch.sigmoid(torch.randn(tokens, value_heads, generator=gen, dtype=torch.float64))
-    return q, k, v, g, beta
+    return tuple(x.to(device) for x in (q, k, v, g, beta))
 
 
 def _rule_outputs_and_grads(inputs, layout, d_out, d_final, dtype, backend):
@@ -162,8 +163,8 @@ def test_the_triton_backend_is_the_recurrence(layout):
     float32 torch backend's error (the same chunked form with the loop)."""
     inputs = _rule_inputs(layout.total_tokens, seed=6)
     gen = torch.Generator().manual_seed(7)
-    d_out = torch.randn(layout.total_tokens, 2, 16, generator=gen, dtype=torch.float64)
-    d_final = torch.randn(len(layout.nodes), 2, 16, 16, generator=gen, dtype=torch.float64)
+    d_out = torch.randn(layout.total_tokens, 2, 16, generator=gen, dtype=torch.float64).to(DEVICE)
+    d_final = torch.randn(len(layout.nodes), 2, 16, 16, generator=gen, dtype=torch.float64).to(DEVICE)
     exact = _rule_outputs_and_grads(inputs, layout, d_out, d_final, torch.float64, "reference")
     loop = _rule_outputs_and_grads(inputs, layout, d_out, d_final, torch.float32, "torch")
     ours = _rule_outputs_and_grads(inputs, layout, d_out, d_final, torch.float32, "triton")

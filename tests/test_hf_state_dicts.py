@@ -3,8 +3,12 @@
 model (built from its config class, no downloads) mapped onto ours gives the same logits on plain
 sequences and the same per-response log-probs through the packed layout. A Qwen3 card with YaRN
 RoPE runs the same tests, its positions past the original context."""
+import importlib.util
+
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -45,6 +49,16 @@ TEST_CARDS = {card.name: card for card in [QWEN3_YARN]}
 
 def card_named(name):
     return TEST_CARDS.get(name) or load_card(name)
+
+
+def skip_unless_hf_runs_on_the_cpu(hf) -> None:
+    """transformers before 5.25 hands Qwen3.5 / Qwen3-Next's gated delta rule to fla-core whenever
+    it is installed, CPU tensors too, which its kernels cannot read; 5.25 keeps CPU inputs on its
+    PyTorch path, the oracle these tests want."""
+    if (hf.config.model_type in ("qwen3_5_text", "qwen3_next") and importlib.util.find_spec("fla") is not None
+            and Version(transformers.__version__) < Version("5.25")):
+        pytest.skip(f"transformers {transformers.__version__} runs {hf.config.model_type} on the CPU through "
+                    "fla-core's GPU kernels (fixed in 5.25)")
 
 
 def hf_model(card):
