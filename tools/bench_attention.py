@@ -27,6 +27,12 @@ the loop, the median clock and power there, and from them cycles and joules per 
 ``--profile`` instead times ten forward+backward calls the way the table does (L2 flushed before
 each) under ``torch.profiler`` and prints each kernel's time per call, and the time per call that
 the GPU spends idle between the first kernel and the last (host time the kernels wait for).
+
+``--ncu-range`` runs one forward+backward call of each method, after two warm-up calls (compilation,
+autotuning), inside a CUDA profiler range, for Nsight Compute to read only those kernels:
+
+    ncu --profile-from-start off --clock-control none --set full -o ours python tools/bench_attention.py \\
+        --ncu-range --methods dualkv --workloads d128-16x8192x1024
 """
 from __future__ import annotations
 
@@ -453,6 +459,18 @@ def profile_calls(method: str, w: Workload, calls: int = 10) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=120), flush=True)
 
 
+def profiled_call(method: str, w: Workload) -> None:
+    """One forward+backward call inside a CUDA profiler range (``ncu --profile-from-start off``)."""
+    fwd_bwd = fresh_fwd_bwd(method, w)
+    for _ in range(2):
+        fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def sustained(method: str, w: Workload, seconds: float):
     """Forward+backward back to back for ``seconds``; the last two thirds are timed, so that the
     clock has settled. Returns the row and that window (start, end) as ``datetime``s."""
@@ -554,6 +572,8 @@ def main():
                         "'block_m,block_n,warps,stages[,tma]' separated by ';'")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the table: kernel times and idle GPU time per fwd+bwd call (torch.profiler)")
+    parser.add_argument("--ncu-range", action="store_true",
+                        help="instead of the table: one fwd+bwd call of each method in a CUDA profiler range, for ncu")
     parser.add_argument("--dry-run", action="store_true",
                         help="instead of the table: each workload's layout (tokens, pairs, pieces), built on the CPU")
     args = parser.parse_args()
@@ -564,9 +584,9 @@ def main():
         for w in workloads:
             print(describe(w), flush=True)
         return
-    if args.profile:
+    if args.profile or args.ncu_range:
         for w, method in itertools.product(workloads, methods):
-            profile_calls(method, w)
+            (profile_calls if args.profile else profiled_call)(method, w)
         return
     if args.sustained:
         run_sustained(workloads, methods, args.sustained, args.out)
