@@ -1,8 +1,8 @@
 """The chunked gated delta rule's state scan (``ops.chunk_state_scan``): its Triton kernels (on the
-interpreter on a machine without a GPU) against the PyTorch loop at float64, outputs, final state and the gradient of
-every input, within flash-attention's bound (2x the float32 loop's error); the "triton" backend of
-``gated_delta_rule_func`` against the reference recurrence on a group and a tree; and the shapes
-the kernels cannot take, refused by name."""
+GPU, or the interpreter on a machine without one) against the PyTorch loop at float64, outputs,
+final state and the gradient of every input, within flash-attention's bound (2x the float32 loop's
+error); the "triton" backend of ``gated_delta_rule_func`` against the reference recurrence on a
+group and a tree; and the shapes the kernels cannot take, refused by name."""
 import pytest
 import torch
 import torch.nn.functional as F
