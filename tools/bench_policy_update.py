@@ -706,8 +706,17 @@ def write_csv(results: List[Result], path: Path) -> None:
             writer.writerow(asdict(result))
 
 
+def peak_range(results: List[Result]) -> str:
+    """The MFU title's ' (matmul peak A-B TFLOP/s)', over the rows' measured peaks: each run
+    measures its own, and a title listing them all overflows."""
+    peaks = [r.matmul_peak_tflops for r in results if r.matmul_peak_tflops > 0]
+    if not peaks:
+        return ""
+    low, high = round(min(peaks)), round(max(peaks))
+    return f" (matmul peak {low}{'' if low == high else f'-{high}'} TFLOP/s)"
+
+
 def plot(results: List[Result], path: Path, baseline: str) -> None:
-    peaks = sorted({f"{r.matmul_peak_tflops:.4g}" for r in results})
     import matplotlib
 
     matplotlib.use("Agg")
@@ -725,7 +734,7 @@ def plot(results: List[Result], path: Path, baseline: str) -> None:
         missing = Result("", 0, 0, 0, 0, layout)  # a layout not measured: no bar
         axes[0].bar(xs, [by_label.get(label, missing).tokens_per_s for label in labels], width, label=name)
         axes[1].bar(xs, [100 * by_label.get(label, missing).mfu for label in labels], width, label=name)
-    for ax, title in zip(axes, ("rollout tokens / s (policy-update step)", f"MFU % (matmul peak {' / '.join(peaks)} TFLOP/s)")):
+    for ax, title in zip(axes, ("rollout tokens / s (policy-update step)", f"MFU %{peak_range(results)}")):
         ax.set_xticks(range(len(labels)), [f"{m}\n{n} x {p} x {r}" for m, n, p, r in labels], fontsize=7, rotation=30,
                       ha="right")
         ax.set_title(title)
