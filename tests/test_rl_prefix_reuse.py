@@ -188,7 +188,7 @@ def test_planned_prefix_reuse_step_equals_the_sub_group_step(model):
 @pytest.mark.parametrize("mode, rows", [("none", 2), ("selective", 3), ("full", 4)])
 def test_memory_model_counts_the_held_prompt(mode, rows):
     """Per layer: the held K/V's accumulated gradients, and the copies the layer does not keep."""
-    from megatron_dualkv.memory import MemoryModel, layer_activation_bytes
+    from megatron_dualkv.memory import MemoryModel
 
     memory = MemoryModel.for_card("qwen3-tiny", dtype=torch.bfloat16)
     config = memory.config
