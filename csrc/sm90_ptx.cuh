@@ -209,6 +209,15 @@ __device__ __forceinline__ void mma_64x128_rs(float (&d)[64], const uint32_t* a,
                DUALKV_ACC64_OPERANDS(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// Four 8 x 8 16-bit matrices from registers to shared memory in one instruction: register j holds
+// row lane / 4, columns 2 (lane % 4) and + 1 of matrix j (an mma accumulator's pair, packed), and
+// lane 8 j + r gives the shared address of row r of matrix j
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
