@@ -87,13 +87,17 @@ __device__ __forceinline__ void load_lse_delta(float* lse, float* delta, const B
 __device__ __forceinline__ void stage_dq(const float (&dq)[32], uint8_t (*boxes)[BWD_BLOCK_M * ROW_BYTES],
                                          int wq = threadIdx.x / 32 % 4, int g = threadIdx.x % 32 / 4,
                                          int c = threadIdx.x % 4) {
+  // shared-window addresses: a generic pointer (the D = 128 kernel's storage) costs each store a
+  // 64-bit address
+  const uint32_t base = smem_u32(boxes[0]);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 16 * wq + g + 8 * r;  // row % 8 == g
-      *reinterpret_cast<float2*>(boxes[i / 4] + row * ROW_BYTES + (((4 * (c / 2) + i % 4) ^ g) << 4) + 8 * (c % 2)) =
-          make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+      st_shared_v2(base + (i / 4) * BWD_BLOCK_M * ROW_BYTES + row * ROW_BYTES + (((4 * (c / 2) + i % 4) ^ g) << 4) +
+                       8 * (c % 2),
+                   dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
     }
   }
 }

@@ -209,6 +209,10 @@ __device__ __forceinline__ void mma_64x128_rs(float (&d)[64], const uint32_t* a,
                DUALKV_ACC64_OPERANDS(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+__device__ __forceinline__ void st_shared_v2(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
 // Four 8 x 8 16-bit matrices from registers to shared memory in one instruction: register j holds
 // row lane / 4, columns 2 (lane % 4) and + 1 of matrix j (an mma accumulator's pair, packed), and
 // lane 8 j + r gives the shared address of row r of matrix j
