@@ -127,10 +127,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   // dQ[:, 64 wg:64 wg + 64] of a step = dS K: A = dS^T read M-major, B = K panel wg read N-major,
   // k-steps of 16 keys; one commit group
   const auto issue_dq = [&](float (&dq)[32], const uint8_t* ds) {
+    const uint64_t desc_ds = smem_desc(ds, BLOCK_N * ROW_BYTES, 1024), desc_k = smem_desc(s.k[wg], BLOCK_N * ROW_BYTES, 1024);
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-      mma_64x64_ss<T, 1, 1>(dq, smem_desc(ds + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024),
-                            smem_desc(s.k[wg] + kk * 16 * ROW_BYTES, BLOCK_N * ROW_BYTES, 1024), kk);
+      mma_64x64_ss<T, 1, 1>(dq, desc_advance(desc_ds, kk * 16 * ROW_BYTES), desc_advance(desc_k, kk * 16 * ROW_BYTES), kk);
     wgmma_commit();
   };
   // a finished dQ block -> two swizzled (64, 32) fp32 boxes (stage_dq), added to the buffer by

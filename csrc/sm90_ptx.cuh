@@ -149,6 +149,14 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t leading, u
          (uint64_t((stride >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// `desc` moved `bytes` further into shared memory. The address field (bits 0-13, 16-byte units) of
+// a shared address, which is below 256 KiB, never carries into the next field, so one 32-bit add
+// on the low word does it: building every k-step's descriptor anew from its pointer cost about 12
+// instructions a wgmma (PERF_NOTES.md, session 32)
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & ~0xFFFFFFFFull) | (uint32_t(desc) + (bytes >> 4));
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -240,11 +248,12 @@ template <typename T, int D, int REGS>
 __device__ __forceinline__ void mma_ss_head_dim(float (&acc)[REGS], const uint8_t* a, uint32_t a_panel_bytes,
                                                 const uint8_t* b, uint32_t b_panel_bytes) {
   static_assert(REGS == 16 || REGS == 32 || REGS == 64, "64 x 32, 64 x 64 or 64 x 128 accumulators");
+  const uint64_t desc_a0 = smem_desc(a, 16, 1024), desc_b0 = smem_desc(b, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t pnl = kk / 4, col = (kk % 4) * 32;
-    const uint64_t desc_a = smem_desc(a + pnl * a_panel_bytes + col, 16, 1024);
-    const uint64_t desc_b = smem_desc(b + pnl * b_panel_bytes + col, 16, 1024);
+    const uint64_t desc_a = desc_advance(desc_a0, pnl * a_panel_bytes + col);
+    const uint64_t desc_b = desc_advance(desc_b0, pnl * b_panel_bytes + col);
     if constexpr (REGS == 16)
       mma_64x32_ss<T>(acc, desc_a, desc_b, kk);
     else if constexpr (REGS == 32)
@@ -289,7 +298,9 @@ __device__ __forceinline__ void mma_rs(float (&acc)[64], const uint32_t* a, cons
   fence_regs(acc);
   wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < K_STEPS; ++j) mma_64x128_rs<T>(acc, a + 4 * j, smem_desc(b + j * 16 * ROW_BYTES, panel_bytes, 1024));
+  const uint64_t desc_b = smem_desc(b, panel_bytes, 1024);
+#pragma unroll
+  for (int j = 0; j < K_STEPS; ++j) mma_64x128_rs<T>(acc, a + 4 * j, desc_advance(desc_b, j * 16 * ROW_BYTES));
   wgmma_commit();
 }
 
