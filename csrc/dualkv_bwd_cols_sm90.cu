@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   } else {  // ------------------------------------------------------------------- consumers
     setmaxnreg_inc<240>();
-    const int wg = warp / 4 - 1;  // the CTA's columns [128 wg, 128 wg + 128), panels 2 wg and 2 wg + 1
+    const int wg = consumer_warpgroup();  // the CTA's columns [128 wg, 128 wg + 128), panels 2 wg and 2 wg + 1
     const int wq = warp % 4;      // accumulator rows [16 wq, 16 wq + 16)
     const int g = lane / 4, c = lane % 4, t = threadIdx.x % 128;
     const bool dq_issuer = t == 0;

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // -------------------------------------------------------------------------------- consumers
   setmaxnreg_inc<240>();
-  const int wg = warp / 4 - 1;          // keys [64 wg, 64 wg + 64) of the tile
+  const int wg = consumer_warpgroup();  // keys [64 wg, 64 wg + 64) of the tile
   const int wq = warp % 4;              // accumulator rows [16 wq, 16 wq + 16) of the warpgroup
   const int g = lane / 4, c = lane % 4;
   const bool dq_issuer = threadIdx.x % 128 == 0;

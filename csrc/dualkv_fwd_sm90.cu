@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // -------------------------------------------------------------------------------- consumers
   setmaxnreg_inc<240>();
-  const int wg = warp / 4 - 1;  // rows [64 wg, 64 wg + 64) of the tile, or columns [O_COLS wg, + O_COLS)
+  const int wg = consumer_warpgroup();  // rows [64 wg, 64 wg + 64) of the tile, or columns [O_COLS wg, + O_COLS)
   const int wq = warp % 4;
   const int g = lane / 4, c = lane % 4;
   const int row0 = SPLIT_COLUMNS ? 0 : 64 * wg;        // the warpgroup's first row in the tile

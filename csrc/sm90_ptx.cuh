@@ -157,6 +157,11 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
   return (desc & ~0xFFFFFFFFull) | (uint32_t(desc) + (bytes >> 4));
 }
 
+// This thread's consumer warpgroup (warps 4-7: 0, warps 8-11: 1), read from lane 0 so that ptxas
+// knows it is warp-uniform: the descriptors built from it then stay in uniform registers, and
+// each k-step is one uniform add instead of moves to them (PERF_NOTES.md, session 32)
+__device__ __forceinline__ int consumer_warpgroup() { return __shfl_sync(0xffffffff, int(threadIdx.x / 128) - 1, 0); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
