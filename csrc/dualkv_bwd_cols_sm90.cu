@@ -245,24 +245,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         share_scores<SPLIT>(x, sc, dp, s, rank, wg, step, steps);
       }
 
-      // P^T: keys are rows, queries columns; a key past the tile, a query past the range, a query
-      // before the key (packed order) or, with a window, too far after it is invisible
-      const bool masked = q0 < k_end - 1 || q0 + BLOCK_M > q_hi || key_rows < BLOCK_N ||
-                          (WINDOW && q0 + BLOCK_M - 1 - k_start >= shift);
+      // P^T
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float2 lse = *reinterpret_cast<const float2*>(&s.lse[st][8 * i + 2 * c]);  // columns 2c, 2c + 1
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * wq + g + 8 * (e >> 1), col = 8 * i + 2 * c + (e & 1);
-          float x = exp2_approx(sc[4 * i + e] * p.scale_log2 - (e & 1 ? lse.y : lse.x));
-          if (masked) {
-            const int key = k_start + row, query = q0 + col;
-            if (row >= key_rows || query >= q_hi || query < key || (WINDOW && query - key >= shift)) x = 0.f;
-          }
-          sc[4 * i + e] = x;
-        }
+        for (int e = 0; e < 4; ++e) sc[4 * i + e] = exp2_approx(sc[4 * i + e] * p.scale_log2 - (e & 1 ? lse.y : lse.x));
       }
+      mask_invisible<WINDOW, BLOCK_N>(sc, 16 * wq, g, c, k_start, key_rows, q0, q_hi, shift);
       // dV_w += P^T dO_w (B = dO panels 2 wg, 2 wg + 1, read N-major; k-steps of 16 queries)
       uint32_t pa[16];
       pack_fragments<T>(sc, pa);
@@ -280,16 +270,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       pack_fragments<T>(dp, da);
       mma_rs<T, BLOCK_M / 16>(dk, da, s.q[st][2 * wg], sizeof(s.q[st][0]));
 
-      // dS^T to this warpgroup's buffer (one 128-byte swizzled row per key); its last reader, the
-      // previous step's dQ matmul, has completed
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = 16 * wq + g + 8 * r;
-          *reinterpret_cast<uint32_t*>(ds + row * ROW_BYTES + ((i ^ (row & 7)) << 4) + 4 * c) = da[2 * i + r];
-        }
-      }
+      // dS^T to this warpgroup's buffer; its last reader, the previous step's dQ matmul, has completed
+      store_ds_t(smem_u32(ds), 16 * wq, da, lane);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       warpgroup_sync(wg);
 

@@ -118,7 +118,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   const bool dq_issuer = threadIdx.x % 128 == 0;
   const int key_rows = k_end - k_start;
   const int shift = WINDOW ? window_shift(p, q_lo, k_start) : 0;
-  const uint32_t ds_row = (64 * wg + 16 * wq + 8 * (lane / 8 % 2) + lane % 8) * ROW_BYTES;  // this lane's stmatrix row
 
   float dk[64], dv[64];
 #pragma unroll
@@ -179,28 +178,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     wgmma_wait<1>();  // S^T
     fence_regs(sc);
 
-    // P^T: keys are rows, queries columns; a key past the tile, a query past the range, a query
-    // before the key (packed order) or, with a window, too far after it is invisible. Most steps
-    // need no mask: it is a branch of its own, which ptxas otherwise predicates into every step
-    // (160 of the loop's 1,042 instructions; PERF_NOTES.md, session 32)
+    // P^T
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const float2 lse = reinterpret_cast<const float2*>(s.lse[st])[4 * i + c];  // columns 8 i + 2 c, + 1
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[4 * i + e] = exp2_approx(sc[4 * i + e] * p.scale_log2 - (e & 1 ? lse.y : lse.x));
     }
-    if (q0 < k_end - 1 || q0 + BLOCK_M > q_hi || key_rows < BLOCK_N ||
-        (WINDOW && q0 + BLOCK_M - 1 - k_start >= shift)) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 64 * wg + 16 * wq + g + 8 * (e >> 1), col = 8 * i + 2 * c + (e & 1);
-          const int key = k_start + row, query = q0 + col;
-          if (row >= key_rows || query >= q_hi || query < key || (WINDOW && query - key >= shift)) sc[4 * i + e] = 0.f;
-        }
-      }
-    }
+    mask_invisible<WINDOW, BLOCK_N>(sc, 64 * wg + 16 * wq, g, c, k_start, key_rows, q0, q_hi, shift);
     // dV += P^T dO as soon as P is ready (B = dO is N-major: head dim contiguous; k-steps of 16
     // queries), so that dS is computed while it runs
     uint32_t pa[16];
@@ -226,13 +211,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     wgmma_fence();
     issue_dq(dq, s.ds[(step + 2) % 3]);
 
-    // dS^T to shared memory (one 128-byte swizzled row per key), for the next step's dQ matmul
-    // of both warpgroups: stmatrix q writes the 8 x 8 blocks (rows 8 h, query chunk 2 q + j / 2)
-    // of the warp's 16 keys, h = j % 2 for lane block j = lane / 8; da[4 q + j] is block j
-    const uint32_t ds = smem_u32(s.ds[step % 3]) + ds_row;
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      stmatrix_x4(ds + (((2 * q + lane / 16) ^ (lane % 8)) << 4), da[4 * q], da[4 * q + 1], da[4 * q + 2], da[4 * q + 3]);
+    // dS^T to shared memory, for the next step's dQ matmul of both warpgroups
+    store_ds_t(smem_u32(s.ds[step % 3]), 64 * wg + 16 * wq, da, lane);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane == 0) mbar_arrive(&s.ds_full[step % 3]);

@@ -74,6 +74,40 @@ __device__ __forceinline__ void load_lse_delta(float* lse, float* delta, const B
   }
 }
 
+// P^T of a step (keys are rows, queries columns; accumulator layout, rows from tile row `row0`) with
+// its invisible pairs set to 0: a key past the tile, a query past the item's range, a query before
+// the key (packed order) or, with a window, too far after it. Most steps have none, so the test
+// runs once a step and the pairs' test is a branch of its own: written inside the exp2 loop,
+// ptxas predicated it into every step (160 of the D = 128 loop's 1,044 instructions; PERF_NOTES.md,
+// session 32).
+template <bool WINDOW, int BLOCK_N>
+__device__ __forceinline__ void mask_invisible(float (&sc)[32], int row0, int g, int c, int k_start, int key_rows,
+                                               int q0, int q_hi, int shift) {
+  const int k_end = k_start + key_rows;
+  if (!(q0 < k_end - 1 || q0 + BWD_BLOCK_M > q_hi || key_rows < BLOCK_N ||
+        (WINDOW && q0 + BWD_BLOCK_M - 1 - k_start >= shift)))
+    return;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + g + 8 * (e >> 1), key = k_start + row, query = q0 + 8 * i + 2 * c + (e & 1);
+      if (row >= key_rows || query >= q_hi || query < key || (WINDOW && query - key >= shift)) sc[4 * i + e] = 0.f;
+    }
+  }
+}
+
+// A warp's 16 x 64 block of dS^T (packed A fragments: da[2 i + h] holds rows g + 8 h, columns
+// 8 i + 2 c, + 1) into a (key, 64 queries) tile in TMA's 128-byte swizzle, rows from `row0`: four
+// stmatrix, each four 8 x 8 blocks (rows 8 h, query chunk 2 q + j / 2 for lane block j, h = j % 2),
+// where 4-byte stores took sixteen, each with its own address
+__device__ __forceinline__ void store_ds_t(uint32_t tile, int row0, const uint32_t (&da)[16], int lane) {
+  const uint32_t row = tile + (row0 + 8 * (lane / 8 % 2) + lane % 8) * ROW_BYTES;
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    stmatrix_x4(row + (((2 * q + lane / 16) ^ (lane % 8)) << 4), da[4 * q], da[4 * q + 1], da[4 * q + 2], da[4 * q + 3]);
+}
+
 // A warpgroup's 64 x 64 fp32 dQ block (accumulator layout) -> two (64 queries, 32 fp32) boxes in
 // TMA's 128-byte swizzle (16-byte position k of row r at k ^ r % 8), ready for bulk reductions,
 // with the 16-byte chunks of each row permuted: chunk j (columns 4j..4j+3 of the box) at position
