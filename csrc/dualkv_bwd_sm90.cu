@@ -178,10 +178,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     wgmma_wait<1>();  // S^T
     fence_regs(sc);
 
-    // P^T
+    // P^T (lse and delta through shared-window addresses: the storage's generic pointer gives each
+    // load a 64-bit address)
+    const uint32_t lse_at = smem_u32(s.lse[st]) + 8 * c, delta_at = smem_u32(s.delta[st]) + 8 * c;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float2 lse = reinterpret_cast<const float2*>(s.lse[st])[4 * i + c];  // columns 8 i + 2 c, + 1
+      const float2 lse = ld_shared_v2(lse_at + 32 * i);  // columns 8 i + 2 c, + 1
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[4 * i + e] = exp2_approx(sc[4 * i + e] * p.scale_log2 - (e & 1 ? lse.y : lse.x));
     }
@@ -196,9 +198,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     fence_regs(dp);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
+      const float2 delta = ld_shared_v2(delta_at + 32 * i);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        dp[4 * i + e] = sc[4 * i + e] * p.sm_scale * (dp[4 * i + e] - s.delta[st][8 * i + 2 * c + (e & 1)]);
+        dp[4 * i + e] = sc[4 * i + e] * p.sm_scale * (dp[4 * i + e] - (e & 1 ? delta.y : delta.x));
     }
     // dK += dS^T Q
     uint32_t da[16];
