@@ -148,12 +148,20 @@ def test_fp8_log_probs_stay_within_the_documented_bound(models, fp8):
 
 
 def test_selective_recompute_under_fp8_gives_the_fp8_step(models):
-    """Under FP8 "selective" recomputes only the q/k norms and RoPE (``recompute_config_kwargs``)."""
+    """Under FP8 "selective" recomputes only the q/k norms and RoPE (``recompute_config_kwargs``):
+    the same forward, and gradients as close to float32's as the FP8 step's.
+
+    Not the bf16 check's 3%: two identical FP8 steps' gradients differ by up to 9% (gemma3-tiny's
+    first norm, deterministic mode or not), while their log-probs are equal."""
     card, local, exact, te = models
     plain = _built(card, te, dtype=torch.bfloat16, use_transformer_engine=True, fp8="e4m3")
     recomputed = _built(card, te, dtype=torch.bfloat16, use_transformer_engine=True, fp8="e4m3", recompute="selective")
     assert not (recomputed.config.recompute_norms or recomputed.config.recompute_activations)
-    _assert_the_same_step_keeping_less(recomputed, plain, _micro_batches(local))
+    batches = _micro_batches(local)
+    recomputed_step, plain_step = _step(recomputed, batches), _step(plain, batches)
+    assert torch.equal(recomputed_step[0], plain_step[0])
+    _assert_within_twice_the_local_error(recomputed_step, plain_step, _step(exact, batches))
+    assert saved_tensors(recomputed, batches[0].batch).kept < saved_tensors(plain, batches[0].batch).kept
 
 
 def test_the_fp8_tool_compares_the_same_weights(tmp_path):
