@@ -387,7 +387,7 @@ def plot(rows, path, title):
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads, rotation=15)
     ax.set_ylabel("useful TFLOP/s (fwd+bwd)")
     ax.set_title(title)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the axes: never over a bar
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
