@@ -14,7 +14,6 @@ Skipped where Transformer Engine or CUDA is missing (CPU CI): never mocked.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -83,15 +82,16 @@ def _relative_error(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
-def _assert_within_twice_the_local_error(te_step, local_step, exact_step, eps=2e-3):
-    """Log-probs and every gradient: the TE spec's error at most 2x the local spec's (+ eps)."""
-    (te_lp, te_grads), (local_lp, local_grads), (exact_lp, exact_grads) = te_step, local_step, exact_step
-    te_err, local_err = (te_lp - exact_lp).abs().max().item(), (local_lp - exact_lp).abs().max().item()
-    assert te_err <= 2 * local_err + eps, f"log-probs: TE {te_err:.3e}, local {local_err:.3e}"
-    assert te_grads.keys() == exact_grads.keys()
+def _assert_within_twice_the_error_of(step, yardstick, exact_step, eps=2e-3):
+    """Log-probs and every gradient of ``step``: its error against ``exact_step`` at most 2x
+    ``yardstick``'s (+ eps), flash-attention's bound."""
+    (lp, grads), (yard_lp, yard_grads), (exact_lp, exact_grads) = step, yardstick, exact_step
+    err, yard_err = (lp - exact_lp).abs().max().item(), (yard_lp - exact_lp).abs().max().item()
+    assert err <= 2 * yard_err + eps, f"log-probs: {err:.3e}, yardstick {yard_err:.3e}"
+    assert grads.keys() == exact_grads.keys()
     for name, exact in exact_grads.items():
-        te, local = _relative_error(te_grads[name], exact), _relative_error(local_grads[name], exact)
-        assert te <= 2 * local + eps, f"{name}: TE {te:.3e}, local {local:.3e} (relative to the float32 gradient)"
+        got, yard = _relative_error(grads[name], exact), _relative_error(yard_grads[name], exact)
+        assert got <= 2 * yard + eps, f"{name}: {got:.3e}, yardstick {yard:.3e} (relative to the float32 gradient)"
 
 
 def _assert_the_same_step_keeping_less(recomputed, plain, batches):
@@ -108,8 +108,8 @@ def _assert_the_same_step_keeping_less(recomputed, plain, batches):
 def test_te_spec_is_within_the_bf16_bound_of_the_local_spec(models, layout):
     card, local, exact, te = models
     batches = _micro_batches(local)
-    _assert_within_twice_the_local_error(_step(te, batches, layout), _step(local, batches, layout),
-                                         _step(exact, batches, "packed"))
+    _assert_within_twice_the_error_of(_step(te, batches, layout), _step(local, batches, layout),
+                                     _step(exact, batches, "packed"))
 
 
 def test_te_spec_builds_te_linears_and_our_attention(models):
@@ -160,7 +160,7 @@ def test_selective_recompute_under_fp8_gives_the_fp8_step(models):
     batches = _micro_batches(local)
     recomputed_step, plain_step = _step(recomputed, batches), _step(plain, batches)
     assert torch.equal(recomputed_step[0], plain_step[0])
-    _assert_within_twice_the_local_error(recomputed_step, plain_step, _step(exact, batches))
+    _assert_within_twice_the_error_of(recomputed_step, plain_step, _step(exact, batches))
     assert saved_tensors(recomputed, batches[0].batch).kept < saved_tensors(plain, batches[0].batch).kept
 
 
