@@ -308,7 +308,6 @@ template <typename T, int K_STEPS>
 __device__ __forceinline__ void mma_rs(float (&acc)[64], const uint32_t* a, const uint8_t* b, uint32_t panel_bytes) {
   fence_regs(acc);
   wgmma_fence();
-#pragma unroll
   const uint64_t desc_b = smem_desc(b, panel_bytes, 1024);
 #pragma unroll
   for (int j = 0; j < K_STEPS; ++j) mma_64x128_rs<T>(acc, a + 4 * j, desc_advance(desc_b, j * 16 * ROW_BYTES));
