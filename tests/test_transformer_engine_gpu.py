@@ -101,7 +101,11 @@ def _assert_the_same_step_keeping_less(recomputed, plain, batches):
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=0.05)
     for name, want in want_grads.items():
         assert _relative_error(grads[name], want) < 0.03, name
-    assert saved_tensors(recomputed, batches[0].batch).kept < saved_tensors(plain, batches[0].batch).kept
+    _assert_keeps_less(recomputed, plain, batches[0])
+
+
+def _assert_keeps_less(recomputed, plain, micro_batch):
+    assert saved_tensors(recomputed, micro_batch.batch).kept < saved_tensors(plain, micro_batch.batch).kept
 
 
 @pytest.mark.parametrize("layout", ["packed", "replicated"])
@@ -161,7 +165,7 @@ def test_selective_recompute_under_fp8_gives_the_fp8_step(models):
     recomputed_step, plain_step = _step(recomputed, batches), _step(plain, batches)
     assert torch.equal(recomputed_step[0], plain_step[0])
     _assert_within_twice_the_error_of(recomputed_step, plain_step, _step(exact, batches))
-    assert saved_tensors(recomputed, batches[0].batch).kept < saved_tensors(plain, batches[0].batch).kept
+    _assert_keeps_less(recomputed, plain, batches[0])
 
 
 def test_the_fp8_tool_compares_the_same_weights(tmp_path):

@@ -575,8 +575,9 @@ def extrapolated_steps(policy, group: RolloutGroup, max_tokens: int, repeats: in
         raise SystemExit(f"--replicated-sample needs micro-batches of one shape: {n} responses in parts of {responses}")
     count = n // responses
     sampled = [run_steps(policy, group.with_responses(range(m * responses)), "replicated", max_tokens, repeats)
-               for m in (1, min(2, count))]
-    one, two = (statistics.median(s.seconds for s in steps) for steps in sampled)
+               for m in ((1, 2) if count > 1 else (1,))]
+    times = [statistics.median(s.seconds for s in steps) for steps in sampled]
+    one, two = times[0], times[-1]
     first = sampled[0][0]
     print(f"  extrapolated from 1 and 2 of {count} micro-batches: {one:.4g} s and {two:.4g} s", flush=True)
     return [replace(first, seconds=one + (count - 1) * (two - one), flops=first.flops * count,
