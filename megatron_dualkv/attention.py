@@ -53,7 +53,7 @@ def dualkv_attn_func(
     from the root) whole and its own segment causally. ``window_size`` is a left window in logical positions,
     ``softcap`` caps scores with ``softcap * tanh(s / softcap)``. ``deterministic`` makes the
     kernels' gradients bitwise reproducible. ``backend``: "auto" (on GPU the native sm_90 kernels
-    where they apply, else the Triton kernels; FlashAttention-4's varlen kernel where it is installed
+    where they apply, else the Triton kernels; FlashAttention-4's causal kernels where it is installed
     and faster: plain causal sequences at head dim 128, ``ops.fa4_chains``; the reference off GPU),
     "triton" (the Triton kernels only) or "reference".
     """

@@ -68,8 +68,9 @@ on_fa4_gpu = pytest.mark.skipif(
 
 
 @on_fa4_gpu
-@pytest.mark.parametrize("layout", [
+@pytest.mark.parametrize("layout", [  # one chain, chains of one length (FA4's batched kernel), uneven chains
     DualKVLayout((300,), ((257,),)),
+    DualKVLayout((200, 100), ((57,), (157,))),
     DualKVLayout((1, 129, 77), ((1,), (2,), (300,)), pad_len=5),
     TreeLayout((64, 1, 200, 17), (-1, 0, 1, -1), pad_len=3),
 ])
