@@ -5,10 +5,10 @@ branches, padding) is a set of causal sequences: each root with its chain of des
 contiguous in packed order. On those the DualKV mask is plain causal attention per sequence, and
 FA4's own causal kernels (``flash-attn-4``, CuTe DSL) ran it 5-7% faster than our D128 kernels on
 an H200 (one causal sequence of 16,384, forward + backward: 12.88 ms batched, 13.18 varlen, against
-our 13.85). Everywhere a prompt
-is shared ours are faster, so ``dualkv_attn_func(backend="auto")`` takes this path only where
-``fa4_takes`` says so: FA4 importable, an sm_90 GPU, head dim 128, bf16, no window, softcap or
-deterministic gradients, and a layout of chains. ``DUALKV_FA4=0`` switches it off.
+our 13.85). Everywhere a prompt is shared ours are faster, so ``dualkv_attn_func(backend="auto")``
+takes this path only where ``fa4_takes`` says so: FA4 importable, an sm_90 GPU, head dim 128, bf16,
+no window, softcap or deterministic gradients, and a layout of chains. ``DUALKV_FA4=0`` switches it
+off.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def fa4_chains_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: P
                               causal=True)
         return _output(out).view(q.shape)
     cu_seqlens = layout.derived("fa4_cu_seqlens", lambda: torch.tensor(starts, dtype=torch.int32, device=q.device))
-    longest = max(lengths)
+    longest = max(lengths, default=0)
     return _output(flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                           max_seqlen_q=longest, max_seqlen_k=longest, softmax_scale=softmax_scale,
                                           causal=True))
