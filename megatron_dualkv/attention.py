@@ -7,10 +7,12 @@ import torch
 
 from .layout import PackedLayout, PrefixedLayout
 from .ops.checks import check_attention_inputs, triton_available
+from .ops.fa4_chains import fa4_chains_attn, fa4_takes
 from .ops.reference import dualkv_attention_reference, dualkv_prefix_attention_reference
 
-# "auto": the fastest kernels on the device (the native sm_90 kernels where they apply, else
-# Triton), the float64-exact reference off GPU; "triton": the portable Triton kernels only
+# "auto": the fastest kernels on the device (the native sm_90 kernels where they apply, FA4's on
+# plain causal sequences where it is installed, else Triton), the float64-exact reference off GPU;
+# "triton": the portable Triton kernels only
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -51,12 +53,15 @@ def dualkv_attn_func(
     from the root) whole and its own segment causally. ``window_size`` is a left window in logical positions,
     ``softcap`` caps scores with ``softcap * tanh(s / softcap)``. ``deterministic`` makes the
     kernels' gradients bitwise reproducible. ``backend``: "auto" (on GPU the native sm_90 kernels
-    where they apply, else the Triton kernels; the reference off GPU), "triton" (the Triton
-    kernels only) or "reference".
+    where they apply, else the Triton kernels; FlashAttention-4's causal kernels where it is installed
+    and faster: plain causal sequences at head dim 128, ``ops.fa4_chains``; the reference off GPU),
+    "triton" (the Triton kernels only) or "reference".
     """
-    check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
+    scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
     if resolve_backend(backend, q.device) == "reference":
         return dualkv_attention_reference(q, k, v, layout, softmax_scale, window_size, softcap)
+    if backend == "auto" and fa4_takes(q, layout, window_size, softcap, deterministic):
+        return fa4_chains_attn(q, k, v, layout, scale)
     from .ops.dualkv_attn import dualkv_attn_triton
 
     return dualkv_attn_triton(q, k, v, layout, softmax_scale, window_size, softcap, deterministic,
