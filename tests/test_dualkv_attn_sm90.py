@@ -17,6 +17,13 @@ from megatron_dualkv.ops.dualkv_attn_sm90 import dq_in_head_dim_order, native_su
 from flash_check import check_flash_style
 from strategies import rollout_groups, trajectory_sets
 
+@pytest.fixture(autouse=True)
+def our_kernels_on_chains_too(monkeypatch):
+    """These tests are of our kernels: where flash-attn-4 is installed, the default backend would hand
+    the layouts of plain causal sequences to FA4 (``ops.fa4_chains``, tested in test_fa4_chains.py)."""
+    monkeypatch.setenv("DUALKV_FA4", "0")
+
+
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                             reason="needs an sm_90 GPU")
 
