@@ -148,7 +148,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--models", default=None,
                         help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
     parser.add_argument("--profile", action="store_true",
-                        help="instead: profile one packed step of each model at the first workload (kernel time table)")
+                        help="instead: profile one step of each model at the first workload, in the first of --layouts "
+                             "(packed or replicated; kernel time table)")
     parser.add_argument("--memory-margin", type=float, default=None,
                         help="--full-depth: the share of GPU memory the settings leave free (as the launch script's flag)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
@@ -178,6 +179,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(margin_problem)
     if args.agent and (not args.full_depth or args.profile):
         parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
+    if args.profile and args.layouts[0] == "reuse":
+        parser.error("--profile profiles the first of --layouts: packed or replicated, not reuse")
     if "reuse" in args.layouts and (not args.full_depth or args.agent):
         parser.error("--layouts reuse: prefix reuse runs with --full-depth on rollout groups (no --agent)")
     if args.replicated_sample and (not args.full_depth or args.agent or "replicated" not in args.layouts):
@@ -334,9 +337,10 @@ def measured(result: Result, k: int, steps, peak_tflops: float) -> Result:
     return result
 
 
-def profile_step(card, workload, args, setting: Optional["Setting"] = None) -> None:
-    """Kernel-time table of one packed step (after two warm-up steps), printed and written to the out
-    folder; at ``setting`` (the micro-batch and recompute), else the whole group without recompute."""
+def profile_step(card, workload, args, layout: str, setting: Optional["Setting"] = None) -> None:
+    """Kernel-time table of one step in ``layout`` (packed or replicated, after two warm-up steps),
+    printed and written to the out folder; at ``setting`` (the micro-batch and recompute), else the
+    whole group in one micro-batch without recompute."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -346,8 +350,10 @@ def profile_step(card, workload, args, setting: Optional["Setting"] = None) -> N
     policy = policy_update.build_policy(policy_args(card, args, *recompute))
     group = rollout_group(n, p, r, policy.vocab_size, seed=n)
 
+    max_tokens = responses * (p + r) if layout == "replicated" else p + responses * r
+
     def step():
-        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], p + responses * r, "packed")
+        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], max_tokens, layout)
 
     print("warm-up steps: " + ", ".join(f"{step().seconds:.4g} s" for _ in range(2)), flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -365,7 +371,7 @@ def profile_step(card, workload, args, setting: Optional["Setting"] = None) -> N
     shapes = prof.key_averages(group_by_input_shape=True).table(
         sort_by=sort_by, row_limit=60, max_name_column_width=40, max_shapes_column_width=90)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"profile_{Path(card).stem}.txt").write_text(kernels + "\n" + shapes)
+    (args.out / f"profile_{Path(card).stem}_{layout}.txt").write_text(kernels + "\n" + shapes)
 
 
 def busy_seconds(spans) -> float:
@@ -796,8 +802,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             card = layer_card(card, layers, Path(tmp))
         workloads = args.workloads or (models[name] if args.full_depth else TINY_WORKLOADS if args.tiny else WORKLOADS)
         if args.profile:
-            setting = candidate_settings(*planning_models(card, args), workloads[0], "packed") if args.full_depth else None
-            profile_step(card, workloads[0], args, setting[0] if setting else None)
+            layout = args.layouts[0]
+            setting = candidate_settings(*planning_models(card, args), workloads[0], layout) if args.full_depth else None
+            profile_step(card, workloads[0], args, layout, setting[0] if setting else None)
             return
         if args.agent:
             results = bench_agent(card, args, peak)
