@@ -83,7 +83,7 @@ def fa4_chains_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: P
     lengths = {b - a for a, b in zip(starts, starts[1:])}
     if len(lengths) == 1:
         batch = (len(starts) - 1, lengths.pop())
-        out = flash_attn_func(*(t.view(*batch, *t.shape[1:]) for t in (q, k, v)), softmax_scale=softmax_scale,
+        out = flash_attn_func(*(t.reshape(*batch, *t.shape[1:]) for t in (q, k, v)), softmax_scale=softmax_scale,
                               causal=True)
         return _output(out).view(q.shape)
     cu_seqlens = layout.derived("fa4_cu_seqlens", lambda: torch.tensor(starts, dtype=torch.int32, device=q.device))
