@@ -17,6 +17,7 @@ from megatron_dualkv.ops.dualkv_attn_sm90 import dq_in_head_dim_order, native_su
 from flash_check import check_flash_style
 from strategies import rollout_groups, trajectory_sets
 
+
 @pytest.fixture(autouse=True)
 def our_kernels_on_chains_too(monkeypatch):
     """These tests are of our kernels: where flash-attn-4 is installed, the default backend would hand

@@ -675,10 +675,11 @@ def test_bench_extrapolates_a_replicated_step_from_its_first_micro_batches(bench
     assert row.extrapolated and row.micro_batches == 4 // row.micro_batch_responses and row.step_s > 0
 
 
-@pytest.mark.parametrize("layout, max_tokens", [("packed", 96 + 4 * 24), ("replicated", 4 * (96 + 24))])
-def test_bench_profiles_a_step_in_the_first_layout(bench, tmp_path, monkeypatch, layout, max_tokens):
+@pytest.mark.parametrize("layout", ["packed", "replicated"])
+def test_bench_profiles_a_step_in_the_first_layout(bench, tmp_path, monkeypatch, layout):
     """--profile: one step (after two warm-up steps) in the first of --layouts, the whole tiny group in
-    one micro-batch of that layout, its table written per layout; prefix reuse is refused."""
+    one micro-batch of that layout (its budget in packed tokens, as every layout plans), its table
+    written per layout; prefix reuse is refused."""
     steps = []
 
     def step(policy, groups, loss_fn, tokens, step_layout):
@@ -689,7 +690,7 @@ def test_bench_profiles_a_step_in_the_first_layout(bench, tmp_path, monkeypatch,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bench.main(["--device", device, "--tiny", "--full-depth", "--models", "qwen3-tiny", "--profile",
                 "--layouts", f"{layout},reuse", "--workloads", "4x96x24", "--out", str(tmp_path)])
-    assert steps == [(max_tokens, layout)] * 3
+    assert steps == [(96 + 4 * 24, layout)] * 3
     assert (tmp_path / f"profile_qwen3-tiny_{layout}.txt").exists()
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--tiny", "--full-depth", "--profile", "--layouts", "reuse,packed"])

@@ -325,7 +325,7 @@ def measured(result: Result, k: int, steps, peak_tflops: float) -> Result:
     p, r = result.p, result.r
     seconds = statistics.median(s.seconds for s in steps)
     result.micro_batch_responses = k
-    result.micro_batch_tokens = k * (p + r) if result.layout == "replicated" else p + k * r
+    result.micro_batch_tokens = micro_batch_tokens(p, r, k, result.layout)
     result.max_tokens = p + k * r  # every layout plans by packed tokens
     result.micro_batches = steps[0].micro_batches
     result.step_s = seconds
@@ -350,10 +350,8 @@ def profile_step(card, workload, args, layout: str, setting: Optional["Setting"]
     policy = policy_update.build_policy(policy_args(card, args, *recompute))
     group = rollout_group(n, p, r, policy.vocab_size, seed=n)
 
-    max_tokens = responses * (p + r) if layout == "replicated" else p + responses * r
-
-    def step():
-        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], max_tokens, layout)
+    def step():  # every layout plans by packed tokens (as bench_layout)
+        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], p + responses * r, layout)
 
     print("warm-up steps: " + ", ".join(f"{step().seconds:.4g} s" for _ in range(2)), flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
@@ -440,6 +438,11 @@ def micro_batch_layouts(n: int, p: int, r: int, k: int, layout: str) -> List[Tup
     return [(DualKVLayout((p,), ((r,) * m,)), m * r) for m in sizes]
 
 
+def micro_batch_tokens(p: int, r: int, k: int, layout: str) -> int:
+    """Tokens of a micro-batch of k responses: k prompt copies in the replicated layout, one elsewhere."""
+    return k * (p + r) if layout == "replicated" else p + k * r
+
+
 def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, workload, layout: str) -> List[Setting]:
     """For every micro-batch size (N, N/2, ..., 1 responses) the least recompute that fits ``budget``,
     fewest executed FLOPs first (ties: the larger micro-batch)."""
@@ -450,7 +453,7 @@ def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, work
     while k >= 1:
         mbs = micro_batch_layouts(n, p, r, k, layout)
         # reuse: a part's activations with those of its held prompt's forward, which live until its backward
-        tokens = k * (p + r) if layout == "replicated" else p + k * r
+        tokens = micro_batch_tokens(p, r, k, layout)
         shape = dict(num_micro_batches=len(mbs), layout="replicated" if layout == "replicated" else "packed",
                      held_prompt_tokens=p if layout == "reuse" and k < n else 0)
         fit = _fit_or_none(memory, budget, tokens, k * r / tokens, shape)
