@@ -85,8 +85,10 @@ def causal_conv1d_func(
 
 
 MAX_KERNEL_WIDTH = 8
-BLOCK_T, BLOCK_C = 32, 128  # tokens and channels per program: a (32, 128) tile per tap stays in registers
-DW_BLOCK_T = 128  # tokens per program of the dpre kernel, whose per-block dw partials are summed by torch
+# Tokens and channels per program, over 8 warps: 16 values of a (32, 128) tile per thread. With 4 warps,
+# or 128 tokens in the dpre kernel, ptxas spilled (sm_90, Triton 3.6); now 98, 188 and 212 registers.
+BLOCK_T, BLOCK_C, WARPS = 32, 128, 8
+DW_BLOCK_T = 64  # tokens per program of the dpre kernel, whose per-block dw partials torch sums
 
 
 # For token t and tap j < K, taps[t, j] is the packed row of x_{t-K+1+j} along t's path (-1: before
@@ -224,7 +226,7 @@ class _CausalConv1d(torch.autograd.Function):
         if tokens and channels:
             _conv_fwd_kernel[grid](x, weight, bias if bias is not None else weight, table.taps, y, tokens, channels,
                                    K=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu",
-                                   BT=BLOCK_T, BC=BLOCK_C)
+                                   BT=BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
         ctx.save_for_backward(x, weight, bias)
         ctx.table, ctx.activation = table, activation
         return y
@@ -242,10 +244,10 @@ class _CausalConv1d(torch.autograd.Function):
         if tokens and channels:
             _conv_bwd_dpre_kernel[(blocks, triton.cdiv(channels, BLOCK_C))](
                 x, weight, bias if bias is not None else weight, table.taps, dy, dpre, dw_part, db_part, tokens, channels,
-                K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DW_BLOCK_T, BC=BLOCK_C)
+                K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DW_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
             _conv_bwd_dx_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
                 weight, dpre, table.read_start, table.readers, table.block_readers, dx, tokens, channels,
-                K=width, BT=BLOCK_T, BC=BLOCK_C)
+                K=width, BT=BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
         dweight = dw_part.sum(0).T.to(weight.dtype)
         dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
         return dx, dweight, dbias, None, None
