@@ -143,16 +143,17 @@ def test_the_kernels_are_the_reference(data, width, channels, seed, activation, 
 def test_a_prompt_tail_read_by_every_response_gets_all_their_gradients():
     """Five responses of 1, 2, 1, 5 and 3 tokens read the prompt's last three rows (width 4), the
     short ones with the previous response's rows nowhere in their windows: the tail's gradient sums
-    every reader, the first response's and the other four's."""
+    every reader, the first response's (packed next to it) and the other four's (listed)."""
     layout = DualKVLayout((6,), ((1, 2, 1, 5, 3),))
     x, weight, bias = (t.detach().float() for t in _inputs(layout.total_tokens, 5, 4, seed=3))
     dout = torch.randn(layout.total_tokens, 5, generator=torch.Generator().manual_seed(4))
     got, want = _kernel_and_exact(x, weight, bias, layout, "silu", dout)
     torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
     table = layout.derived(("causal_conv1d_taps", 4, x.device), lambda: None)
-    # row 3: prompt tokens 3-5 and each response's first token; row 4: tokens 4-5, the responses'
-    # first and (where they have one) second; row 5: token 5 and up to three tokens of each response
-    assert (table.read_start[4:7] - table.read_start[3:6]).tolist() == [3 + 5, 2 + 8, 1 + 10]
+    # the readers packed away from the prompt's rows 3-5 (the first response follows it at once): the
+    # later responses' first token for row 3; their first and (where they have one) second for row 4;
+    # up to three tokens of each for row 5
+    assert (table.far_start[4:7] - table.far_start[3:6]).tolist() == [4, 1 + 2 + 2 + 2, 2 + 1 + 3 + 3]
 
 
 def test_the_kernels_in_low_precision_stay_within_twice_the_pytorch_error():

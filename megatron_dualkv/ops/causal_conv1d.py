@@ -150,47 +150,56 @@ def _conv_bwd_dpre_kernel(X, W, B, TAPS, DY, DPRE, DW_PART, DB_PART, T, C, K: tl
         tl.store(DB_PART + block.to(tl.int64) * C + cols, tl.sum(dpre, 0), mask=in_cols)
 
 
-# The backward's second half: row s of x feeds every (t, j) with taps[t, j] = s, listed per s in
-# increasing t j (``_TapTable.readers``, CSR), so
-#     dx[s, c] = sum over s's readers (t, j) of weight[c, j] * dpre[t, c]
-# in that order, in fp32, written once: each dx row has one program, nothing races. Most rows have K
-# readers; a prompt's last K-1 rows have K-1 more for each further response that reads them, so a
-# block loops to its own longest list (``_TapTable.block_readers``).
+# The backward's second half: row s of x feeds every (t, j) with taps[t, j] = s, so
+#     dx[s, c] = sum over s's readers (t, j) of weight[c, j] * dpre[t, c],
+# in fp32, written once: each dx row has one program, nothing races. Almost every reader is packed
+# m = K-1-j rows after s (within a segment, or a child right after its parent): those are found by
+# checking taps[s + m, K-1-m] == s, with contiguous rows and no list. The others (a prompt's last K-1
+# rows read by every further response; a tree segment's children packed later) come from a short
+# list per row (``_TapTable.far_readers``), after the near ones, in increasing t K + j: a fixed order.
 @triton.jit
-def _conv_bwd_dx_kernel(W, DPRE, READ_START, READERS, BLOCK_READERS, DX, T, C, K: tl.constexpr, BT: tl.constexpr,
-                        BC: tl.constexpr):
+def _conv_bwd_dx_kernel(W, DPRE, TAPS, FAR_START, FAR_READERS, BLOCK_FAR, DX, T, C, K: tl.constexpr,
+                        BT: tl.constexpr, BC: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     in_rows, in_cols = rows < T, cols < C
-    start = tl.load(READ_START + rows, mask=in_rows, other=0)
-    count = tl.load(READ_START + rows + 1, mask=in_rows, other=0) - start
     acc = tl.zeros([BT, BC], tl.float32)
-    for e in range(tl.load(BLOCK_READERS + tl.program_id(0))):
-        live = e < count
-        reader = tl.load(READERS + start + e, mask=live, other=0)  # t K + j
-        t, j = reader // K, reader % K
-        w = tl.load(W + cols[None, :] * K + j[:, None], mask=live[:, None] & in_cols[None, :], other=0.0)
-        dpre = tl.load(DPRE + t.to(tl.int64)[:, None] * C + cols[None, :], mask=live[:, None] & in_cols[None, :],
+    for m in tl.static_range(K):
+        t = rows + m
+        near = tl.load(TAPS + t.to(tl.int64) * K + (K - 1 - m), mask=t < T, other=-1) == rows
+        w = tl.load(W + cols * K + (K - 1 - m), mask=in_cols, other=0.0).to(tl.float32)
+        dpre = tl.load(DPRE + t.to(tl.int64)[:, None] * C + cols[None, :], mask=near[:, None] & in_cols[None, :],
                        other=0.0)
-        acc += w.to(tl.float32) * dpre
+        acc += w[None, :] * dpre
+    start = tl.load(FAR_START + rows, mask=in_rows, other=0)
+    count = tl.load(FAR_START + rows + 1, mask=in_rows, other=0) - start
+    for e in range(tl.load(BLOCK_FAR + tl.program_id(0))):  # 0 in almost every block
+        live = e < count
+        reader = tl.load(FAR_READERS + start + e, mask=live, other=0)  # t K + j
+        # names of their own: a name the unrolled loop above assigned would be carried through this one
+        far_t, far_j = reader // K, reader % K
+        far_w = tl.load(W + cols[None, :] * K + far_j[:, None], mask=live[:, None] & in_cols[None, :], other=0.0)
+        far_dpre = tl.load(DPRE + far_t.to(tl.int64)[:, None] * C + cols[None, :],
+                           mask=live[:, None] & in_cols[None, :], other=0.0)
+        acc += far_w.to(tl.float32) * far_dpre
     tl.store(DX + rows.to(tl.int64)[:, None] * C + cols[None, :], acc.to(DX.dtype.element_ty),
              mask=in_rows[:, None] & in_cols[None, :])
 
 
 @dataclass(frozen=True)
 class _TapTable:
-    """Where each token's window is packed, and who reads each row: the kernels' view of a layout.
+    """Where each token's window is packed, and who reads each row far away: the kernels' view of a layout.
 
     taps: (T, K) int32, the packed row of x_{t-K+1+j} along t's path, -1 before the root;
-    readers: (T K,) int32, every (t, j) with taps[t, j] >= 0 as t K + j, grouped by the row it reads
-    and in increasing t K + j within a row; read_start: (T + 1,) int32, row s's readers are
-    readers[read_start[s]:read_start[s + 1]]; block_readers: (blocks of BLOCK_T rows,) int32, the
+    far_readers: every (t, j) with s = taps[t, j] >= 0 but t != s + K-1-j, as t K + j, grouped by s
+    and in increasing t K + j within a row; far_start: (T + 1,) int32, row s's are
+    far_readers[far_start[s]:far_start[s + 1]]; block_far: (blocks of BLOCK_T rows,) int32, the
     longest list in each block."""
 
     taps: Tensor
-    readers: Tensor
-    read_start: Tensor
-    block_readers: Tensor
+    far_readers: Tensor
+    far_start: Tensor
+    block_far: Tensor
 
     @classmethod
     def build(cls, layout: PackedLayout, width: int, device) -> "_TapTable":
@@ -203,15 +212,17 @@ class _TapTable:
             # own token i's window is window[i : i + K]
             taps[node.start:node.start + node.length] = window.unfold(0, width, 1)
         flat = taps.flatten()
-        readers = torch.nonzero(flat >= 0).flatten()
-        readers = readers[torch.argsort(flat[readers], stable=True)]  # by the row read, then t K + j
-        counts = torch.bincount(flat[readers], minlength=tokens)
-        read_start = torch.zeros(tokens + 1, dtype=torch.int64)
-        read_start[1:] = torch.cumsum(counts, 0)
+        reader = torch.arange(flat.numel())
+        near = flat == reader // width + reader % width - (width - 1)
+        far = torch.nonzero((flat >= 0) & ~near).flatten()
+        far = far[torch.argsort(flat[far], stable=True)]  # by the row read, then t K + j
+        counts = torch.bincount(flat[far], minlength=tokens)
+        far_start = torch.zeros(tokens + 1, dtype=torch.int64)
+        far_start[1:] = torch.cumsum(counts, 0)
         padded = torch.zeros(triton.cdiv(tokens, BLOCK_T) * BLOCK_T, dtype=torch.int64)
         padded[:tokens] = counts
-        block_readers = padded.view(-1, BLOCK_T).amax(1)
-        return cls(*(t.to(device=device, dtype=torch.int32) for t in (taps, readers, read_start, block_readers)))
+        block_far = padded.view(-1, BLOCK_T).amax(1)
+        return cls(*(t.to(device=device, dtype=torch.int32) for t in (taps, far, far_start, block_far)))
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -246,7 +257,7 @@ class _CausalConv1d(torch.autograd.Function):
                 x, weight, bias if bias is not None else weight, table.taps, dy, dpre, dw_part, db_part, tokens, channels,
                 K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DW_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
             _conv_bwd_dx_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
-                weight, dpre, table.read_start, table.readers, table.block_readers, dx, tokens, channels,
+                weight, dpre, table.taps, table.far_start, table.far_readers, table.block_far, dx, tokens, channels,
                 K=width, BT=BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
         dweight = dw_part.sum(0).T.to(weight.dtype)
         dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
