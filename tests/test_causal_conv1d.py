@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
 from megatron_dualkv.ops.causal_conv1d import GatherRows, RowGatherPlan, causal_conv1d_func, causal_conv1d_reference
+from flash_check import DEVICE
 from strategies import layout_lengths, tree_lengths
 
 
@@ -113,8 +114,10 @@ def _group_or_tree(draw):
 
 
 def _kernel_and_exact(x, weight, bias, layout, activation, dout):
-    """The kernels' output and gradients, and the float64 reference's, on the same values."""
-    inputs = [t.detach().requires_grad_() for t in (x, weight, bias) if t is not None]
+    """The kernels' output and gradients (on the GPU where there is one, else the interpreter), and the
+    float64 reference's, on the same values."""
+    layout, dout = layout.to(DEVICE), dout.to(DEVICE)
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, weight, bias) if t is not None]
     exact = [t.detach().double().requires_grad_() for t in inputs]
     with_bias = bias is not None
     got = causal_conv1d_func(inputs[0], inputs[1], layout, inputs[2] if with_bias else None, activation, use_kernel=True)
@@ -144,12 +147,12 @@ def test_a_prompt_tail_read_by_every_response_gets_all_their_gradients():
     """Five responses of 1, 2, 1, 5 and 3 tokens read the prompt's last three rows (width 4), the
     short ones with the previous response's rows nowhere in their windows: the tail's gradient sums
     every reader, the first response's (packed next to it) and the other four's (listed)."""
-    layout = DualKVLayout((6,), ((1, 2, 1, 5, 3),))
+    layout = DualKVLayout((6,), ((1, 2, 1, 5, 3),)).to(DEVICE)
     x, weight, bias = (t.detach().float() for t in _inputs(layout.total_tokens, 5, 4, seed=3))
     dout = torch.randn(layout.total_tokens, 5, generator=torch.Generator().manual_seed(4))
     got, want = _kernel_and_exact(x, weight, bias, layout, "silu", dout)
     torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
-    table = layout.derived(("causal_conv1d_taps", 4, x.device), lambda: None)
+    table = layout.derived(("causal_conv1d_taps", 4, layout.device), lambda: None)
     # the readers packed away from the prompt's rows 3-5 (the first response follows it at once): the
     # later responses' first token for row 3; their first and (where they have one) second for row 4;
     # up to three tokens of each for row 5
@@ -176,9 +179,9 @@ def test_the_kernels_in_low_precision_stay_within_twice_the_pytorch_error():
 
 
 def test_the_kernels_backward_is_bitwise_reproducible():
-    layout = TreeLayout((4, 2, 3, 1, 5), (-1, 0, 0, 2, -1))
-    x, weight, bias = (t.detach().float().requires_grad_() for t in _inputs(layout.total_tokens, 37, 4, seed=7))
-    dout = torch.randn(layout.total_tokens, 37, generator=torch.Generator().manual_seed(8))
+    layout = TreeLayout((4, 2, 3, 1, 5), (-1, 0, 0, 2, -1)).to(DEVICE)
+    x, weight, bias = (t.detach().float().to(DEVICE).requires_grad_() for t in _inputs(layout.total_tokens, 37, 4, seed=7))
+    dout = torch.randn(layout.total_tokens, 37, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     runs = [torch.autograd.grad(causal_conv1d_func(x, weight, layout, bias, "silu", use_kernel=True), (x, weight, bias),
                                 dout) for _ in range(2)]
     for a, b in zip(*runs):

@@ -45,8 +45,7 @@ from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # an installed or PYTHONPATH package first
 from megatron_dualkv import DualKVLayout, PrefixedLayout, TreeLayout  # noqa: E402
-from megatron_dualkv import attention as package_attention  # noqa: E402
-from megatron_dualkv.ops.causal_conv1d import causal_conv1d_func  # noqa: E402
+from megatron_dualkv.ops import causal_conv1d as conv  # noqa: E402
 from megatron_dualkv.ops import chunk_state_scan as scan  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from megatron_dualkv.ops import dualkv_prefix_attn as prefix  # noqa: E402
@@ -118,7 +117,7 @@ def compile_instead_of_launch(arch: int) -> list:
         name, head_dim, torch.device("cuda"), dtype)
     kernels._has_tma = lambda device: arch >= 90
     row_gather.use_triton = lambda device, requested=None: True
-    package_attention.use_triton = row_gather.use_triton  # causal_conv1d_func imports it when called
+    conv.use_triton = row_gather.use_triton
     scan.triton_available = lambda device: True
     return compiled
 
@@ -151,7 +150,7 @@ def elementwise_cases(dtype: torch.dtype):
     conv_layout = DualKVLayout((9,), ((1, 4, 2),))
     conv_x = torch.randn(conv_layout.total_tokens, 300, dtype=dtype, requires_grad=True)
     for bias in (None, torch.randn(300, dtype=dtype, requires_grad=True)):
-        causal_conv1d_func(conv_x, torch.randn(300, 4, dtype=dtype, requires_grad=True), conv_layout, bias, "silu",
+        conv.causal_conv1d_func(conv_x, torch.randn(300, 4, dtype=dtype, requires_grad=True), conv_layout, bias, "silu",
                            use_kernel=True).float().sum().backward()
 
 

@@ -46,9 +46,9 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
-from ..attention import use_triton
 from ..layout import PackedLayout, TreeLayout
 from ..ops.causal_conv1d import causal_conv1d_func
+from ..ops.checks import use_triton
 from ..ops.gated_delta_rule import gated_delta_rule_func
 from .recompute import Release, checkpoint_without_output
 

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..layout import PackedLayout
-from .checks import check_layout
+from .checks import check_layout, use_triton
 
 ACTIVATIONS = {None: lambda x: x, "silu": F.silu}
 
@@ -68,8 +68,6 @@ def causal_conv1d_func(
     root), so a valid convolution over that extended sequence gives each own token the window it
     has alone, and the rows in front of each segment absorb the windows that would straddle two.
     """
-    from ..attention import use_triton  # the package's attention imports ops, which import this module
-
     _check_inputs(x, weight, layout, bias, activation)
     width = weight.shape[1]
     if use_triton(x.device, use_kernel):
@@ -85,10 +83,10 @@ def causal_conv1d_func(
 
 
 MAX_KERNEL_WIDTH = 8
-# Tokens and channels per program, over 8 warps: 16 values of a (32, 128) tile per thread. With 4 warps,
-# or 128 tokens in the dpre kernel, ptxas spilled (sm_90, Triton 3.6); now 98, 188 and 212 registers.
-BLOCK_T, BLOCK_C, WARPS = 32, 128, 8
-DW_BLOCK_T = 64  # tokens per program of the dpre kernel, whose per-block dw partials torch sums
+# Tokens per program of each kernel (the dpre kernel's per-block dw partials are summed by torch), and
+# channels per program. 8 warps is what the GPU tests have run; a sweep on an H200 at 24,576 x 8,192
+# ran 4 warps 1.4x faster (PERF_NOTES.md, run FT), the next setting to test there.
+FWD_BLOCK_T, DPRE_BLOCK_T, DX_BLOCK_T, BLOCK_C, WARPS = 32, 64, 32, 128, 8
 
 
 # For token t and tap j < K, taps[t, j] is the packed row of x_{t-K+1+j} along t's path (-1: before
@@ -193,7 +191,7 @@ class _TapTable:
     taps: (T, K) int32, the packed row of x_{t-K+1+j} along t's path, -1 before the root;
     far_readers: every (t, j) with s = taps[t, j] >= 0 but t != s + K-1-j, as t K + j, grouped by s
     and in increasing t K + j within a row; far_start: (T + 1,) int32, row s's are
-    far_readers[far_start[s]:far_start[s + 1]]; block_far: (blocks of BLOCK_T rows,) int32, the
+    far_readers[far_start[s]:far_start[s + 1]]; block_far: (blocks of DX_BLOCK_T rows,) int32, the
     longest list in each block."""
 
     taps: Tensor
@@ -219,9 +217,9 @@ class _TapTable:
         counts = torch.bincount(flat[far], minlength=tokens)
         far_start = torch.zeros(tokens + 1, dtype=torch.int64)
         far_start[1:] = torch.cumsum(counts, 0)
-        padded = torch.zeros(triton.cdiv(tokens, BLOCK_T) * BLOCK_T, dtype=torch.int64)
+        padded = torch.zeros(triton.cdiv(tokens, DX_BLOCK_T) * DX_BLOCK_T, dtype=torch.int64)
         padded[:tokens] = counts
-        block_far = padded.view(-1, BLOCK_T).amax(1)
+        block_far = padded.view(-1, DX_BLOCK_T).amax(1)
         return cls(*(t.to(device=device, dtype=torch.int32) for t in (taps, far, far_start, block_far)))
 
 
@@ -233,11 +231,11 @@ class _CausalConv1d(torch.autograd.Function):
         x, weight = x.contiguous(), weight.contiguous()
         tokens, channels = x.shape
         y = torch.empty_like(x)
-        grid = (triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))
+        grid = (triton.cdiv(tokens, FWD_BLOCK_T), triton.cdiv(channels, BLOCK_C))
         if tokens and channels:
             _conv_fwd_kernel[grid](x, weight, bias if bias is not None else weight, table.taps, y, tokens, channels,
                                    K=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu",
-                                   BT=BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
+                                   BT=FWD_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
         ctx.save_for_backward(x, weight, bias)
         ctx.table, ctx.activation = table, activation
         return y
@@ -247,7 +245,7 @@ class _CausalConv1d(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         table, (tokens, channels), width = ctx.table, x.shape, weight.shape[1]
         dy = dy.contiguous()
-        blocks = triton.cdiv(tokens, DW_BLOCK_T)
+        blocks = triton.cdiv(tokens, DPRE_BLOCK_T)
         dpre = torch.empty(tokens, channels, device=x.device, dtype=torch.float32)
         dw_part = torch.zeros(blocks, width, channels, device=x.device, dtype=torch.float32)
         db_part = torch.zeros(blocks, channels, device=x.device, dtype=torch.float32)
@@ -255,10 +253,10 @@ class _CausalConv1d(torch.autograd.Function):
         if tokens and channels:
             _conv_bwd_dpre_kernel[(blocks, triton.cdiv(channels, BLOCK_C))](
                 x, weight, bias if bias is not None else weight, table.taps, dy, dpre, dw_part, db_part, tokens, channels,
-                K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DW_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
-            _conv_bwd_dx_kernel[(triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
+                K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DPRE_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
+            _conv_bwd_dx_kernel[(triton.cdiv(tokens, DX_BLOCK_T), triton.cdiv(channels, BLOCK_C))](
                 weight, dpre, table.taps, table.far_start, table.far_readers, table.block_far, dx, tokens, channels,
-                K=width, BT=BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
+                K=width, BT=DX_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
         dweight = dw_part.sum(0).T.to(weight.dtype)
         dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
         return dx, dweight, dbias, None, None
