@@ -16,12 +16,6 @@ from .ops.reference import dualkv_attention_reference, dualkv_prefix_attention_r
 BACKENDS = ("auto", "triton", "reference")
 
 
-def use_triton(device: torch.device, requested: Optional[bool] = None) -> bool:
-    """Whether an op runs its Triton kernels: ``requested`` None, on CUDA only (the interpreter would
-    run the models' CPU passes at Python speed); True, wherever Triton runs; False, never."""
-    return (device.type == "cuda" if requested is None else bool(requested)) and triton_available(device)
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown DualKV attention backend {backend!r}; choose one of {BACKENDS}")

@@ -294,16 +294,14 @@ def _gated_delta_net_tensors(config, b: int) -> List[SavedTensor]:
     one 16-response group (17 segments): 24 GDN layers x 17 x (2 MiB + 48 KiB) = 0.82 GiB, under 1%
     of those layers' 150 KiB per token at 24,576 tokens (85 GiB).
 
-    Selective recompute frees, beside the layer's norm outputs and MLP activation, the conv's
-    output before the SiLU (the conv is recomputed from its input, which it keeps instead of the
-    gathered one, as large) and the gated norm's output. The rest is a matmul's output or the
-    kernel's own, which only re-running in_proj or the kernel would give back (the full recompute
-    of the layer). The conv's output after the SiLU is not kept: the kernel copies q, k and v."""
+    The short conv's Triton kernels keep its input alone (the backward recomputes the activation's
+    input), with recompute or without; its output is not kept either: fla's kernel copies q, k and
+    v. Selective recompute frees, beside the layer's norm outputs and MLP activation, the gated
+    norm's output. The rest is a matmul's output or fla's own, which only re-running in_proj or the
+    kernel would give back (the full recompute of the layer)."""
     gdn = _GatedDeltaNetWidths.of(config)
     return [
-        SavedTensor("short conv: its input (gathered with each segment's carried-in rows, or kept for its "
-                    "recompute)", gdn.conv, b),
-        SavedTensor("short conv: its output before the SiLU", gdn.conv, b, freed_by="recompute_activations"),
+        SavedTensor("short conv: its input", gdn.conv, b),
         SavedTensor("beta and the decay g (fp32)", 2 * gdn.value_heads, 4),
         SavedTensor("delta rule: its L2-normed q and k, and v", gdn.conv, b),
         SavedTensor("delta rule: q and k's rstd, the decay's chunk cumsum (fp32)", 2 * gdn.key_heads + gdn.value_heads, 4),

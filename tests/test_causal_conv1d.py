@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
 from megatron_dualkv.ops.causal_conv1d import GatherRows, RowGatherPlan, causal_conv1d_func, causal_conv1d_reference
+from flash_check import DEVICE
 from strategies import layout_lengths, tree_lengths
 
 
@@ -103,3 +104,92 @@ def test_the_gather_sums_a_shared_row_in_a_fixed_order():
     (dx,) = torch.autograd.grad(out, x, grad)
     torch.testing.assert_close(dx, torch.stack([torch.zeros(2, dtype=x.dtype), (grad[0] + grad[3]) + grad[4], grad[1]]),
                                rtol=0, atol=0)
+
+
+def _group_or_tree(draw):
+    if draw(st.booleans()):
+        prompt_lens, response_lens = layout_lengths(draw, max_groups=2, max_prompt=6, max_responses=5, max_response=5)
+        return DualKVLayout(prompt_lens, response_lens, pad_len=draw(st.integers(0, 3)))
+    return TreeLayout(*tree_lengths(draw, max_segments=7, max_len=4), pad_len=draw(st.integers(0, 2)))
+
+
+def _kernel_and_exact(x, weight, bias, layout, activation, dout):
+    """The kernels' output and gradients (on the GPU where there is one, else the interpreter), and the
+    float64 reference's, on the same values."""
+    layout, dout = layout.to(DEVICE), dout.to(DEVICE)
+    inputs = [t.detach().to(DEVICE).requires_grad_() for t in (x, weight, bias) if t is not None]
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    with_bias = bias is not None
+    got = causal_conv1d_func(inputs[0], inputs[1], layout, inputs[2] if with_bias else None, activation, use_kernel=True)
+    want = causal_conv1d_reference(exact[0], exact[1], layout, exact[2] if with_bias else None, activation)
+    return ((got, *torch.autograd.grad(got, inputs, dout.to(got.dtype))),
+            (want, *torch.autograd.grad(want, exact, dout.double())))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), width=st.integers(1, 5), channels=st.sampled_from([1, 3, 37, 130]), seed=st.integers(0, 2**16),
+       activation=st.sampled_from([None, "silu"]), with_bias=st.booleans())
+def test_the_kernels_are_the_reference(data, width, channels, seed, activation, with_bias):
+    """The Triton kernels (float32, the interpreter) against the float64 reference: the output and the
+    gradients of x, the weight and the bias, on fuzzed groups (padding, responses shorter than the
+    window, several responses reading one prompt's tail) and trees; channel counts over and under a
+    block's 128."""
+    layout = _group_or_tree(data.draw)
+    x, weight, bias = (t.detach().float() for t in _inputs(layout.total_tokens, channels, width, seed))
+    dout = torch.randn(layout.total_tokens, channels, generator=torch.Generator().manual_seed(seed + 1))
+    got, want = _kernel_and_exact(x, weight, bias if with_bias else None, layout, activation, dout)
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), got, want):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (1 + b.abs().max().item()), msg=name)
+
+
+def test_a_prompt_tail_read_by_every_response_gets_all_their_gradients():
+    """Five responses of 1, 2, 1, 5 and 3 tokens read the prompt's last three rows (width 4), the
+    short ones with the previous response's rows nowhere in their windows: the tail's gradient sums
+    every reader, the first response's (packed next to it) and the other four's (listed)."""
+    layout = DualKVLayout((6,), ((1, 2, 1, 5, 3),)).to(DEVICE)
+    x, weight, bias = (t.detach().float() for t in _inputs(layout.total_tokens, 5, 4, seed=3))
+    dout = torch.randn(layout.total_tokens, 5, generator=torch.Generator().manual_seed(4))
+    got, want = _kernel_and_exact(x, weight, bias, layout, "silu", dout)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-5)
+    table = layout.derived(("causal_conv1d_taps", 4, layout.device), lambda: None)
+    # the readers packed away from the prompt's rows 3-5 (the first response follows it at once): the
+    # later responses' first token for row 3; their first and (where they have one) second for row 4;
+    # up to three tokens of each for row 5
+    assert (table.far_start[4:7] - table.far_start[3:6]).tolist() == [4, 1 + 2 + 2 + 2, 2 + 1 + 3 + 3]
+
+
+def test_the_kernels_in_low_precision_stay_within_twice_the_pytorch_error():
+    """float16 on the interpreter (bf16 on a GPU): the kernels' output and gradients within 2x the
+    gather + conv1d path's error at the same precision, both against float64."""
+    from flash_check import DEVICE, LOW, assert_within_twice_the_reference_error
+
+    layout = DualKVLayout((9, 4), ((3, 1, 6), (2,)), pad_len=2).to(DEVICE)
+    x, weight, bias = (t.detach().to(DEVICE) for t in _inputs(layout.total_tokens, 37, 4, seed=5))
+    dout = torch.randn(layout.total_tokens, 37, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(DEVICE)
+    low = [t.to(LOW).requires_grad_() for t in (x, weight, bias)]
+    exact = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    results = []
+    for use_kernel, tensors in ((True, low), (False, [t.detach().clone().requires_grad_() for t in low]), (False, exact)):
+        y = causal_conv1d_func(*tensors[:2], layout, tensors[2], "silu", use_kernel=use_kernel)
+        results.append((y, *torch.autograd.grad(y, tensors, dout.to(y.dtype))))
+    for name, ours, reference, want in zip(("y", "dx", "dweight", "dbias"), *results):
+        assert ours.dtype == LOW
+        assert_within_twice_the_reference_error(name, ours, reference, want, 1e-3)
+
+
+def test_the_kernels_backward_is_bitwise_reproducible():
+    layout = TreeLayout((4, 2, 3, 1, 5), (-1, 0, 0, 2, -1)).to(DEVICE)
+    x, weight, bias = (t.detach().float().to(DEVICE).requires_grad_() for t in _inputs(layout.total_tokens, 37, 4, seed=7))
+    dout = torch.randn(layout.total_tokens, 37, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    runs = [torch.autograd.grad(causal_conv1d_func(x, weight, layout, bias, "silu", use_kernel=True), (x, weight, bias),
+                                dout) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_the_kernels_refuse_a_width_they_do_not_take():
+    layout = DualKVLayout((3,), ((2,),))
+    x, weight, _ = _inputs(layout.total_tokens, 2, 9)
+    with pytest.raises(ValueError, match="the kernels take widths up to 8, got 9; pass use_kernel=False"):
+        causal_conv1d_func(x.float(), weight.float(), layout, use_kernel=True)

@@ -1,5 +1,5 @@
 """tools/check_triton_compile.py: the Triton kernels (their depth-1 and multi-range tree variants, the
-gated delta rule's state scan) compile for sm_90 on this CPU machine (with the installed Triton), and
+gated delta rule's state scan, the short conv's) compile for sm_90 on this CPU machine (with the installed Triton), and
 a kernel that the compiler refuses is reported as a failed case."""
 import os
 import shutil
@@ -27,8 +27,8 @@ def test_kernels_compile_for_hopper():
     assert "ok     attention prefix D=64 bf16 (" in result.stdout
     assert "ok     attention tree D=64 bf16 window=16 (" in result.stdout
     assert "ok     attention prefix D=64 bf16 window=50 softcap=30.0 (" in result.stdout
-    # each direction of rms_norm, rms_norm_rope and geglu, row_gather_sum
-    assert "row_gather_sum bf16 (7 kernels" in result.stdout
+    # each direction of rms_norm, rms_norm_rope and geglu, row_gather_sum, the conv's three
+    assert "row_gather_sum, causal_conv1d bf16 (10 kernels" in result.stdout
     assert "ok     chunk_state_scan fp32 Dk=128 Dv=128 L=64 (2 kernels" in result.stdout
 
 
@@ -46,4 +46,4 @@ def test_a_kernel_the_compiler_refuses_fails_its_case(tmp_path):
     result = check("--head-dims", "64", "--dtypes", "bf16",
                    env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert result.returncode == 1
-    assert "FAILED rms_norm, rms_norm_rope, geglu, row_gather_sum bf16: CompilationError" in result.stdout
+    assert "FAILED rms_norm, rms_norm_rope, geglu, row_gather_sum, causal_conv1d bf16: CompilationError" in result.stdout

@@ -60,7 +60,7 @@ def test_a_gated_delta_net_layer_keeps_what_its_gpu_path_saves():
     heads of 12, so 80 conv channels and 48 values), in bf16, summed tensor by tensor; and the
     MoE with a gated shared expert of qwen3-next-tiny's (4 experts of 32, top 2, shared 48)."""
     h, conv, values, value_heads, key_heads = 64, 80, 48, 4, 2
-    mixer = (2 * conv + 2 * conv  # the conv's gathered input, its output before the SiLU
+    mixer = (2 * conv  # the conv's input, all its kernels keep
              + 4 * 2 * value_heads  # beta and g, fp32
              + 2 * conv + 4 * (2 * key_heads + value_heads)  # the kernel's q, k, v; rstd of q and k, g's cumsum
              + 2 * 64 * value_heads  # A: a 64-entry row per token and value head, bf16
@@ -72,11 +72,10 @@ def test_a_gated_delta_net_layer_keeps_what_its_gpu_path_saves():
     memory = MemoryModel.for_card("qwen3_5-tiny")
     assert memory.config.is_linear_attention(1)
     one = ParallelSizes()
-    assert layer_activation_bytes(memory.config, 1, one, "none") == mixer + norms + mlp == 2632
-    # selective frees the norm outputs and the activation, and of the mixer the conv's output before
-    # its SiLU and the gated norm's output
+    assert layer_activation_bytes(memory.config, 1, one, "none") == mixer + norms + mlp == 2632 - 2 * conv
+    # selective frees the norm outputs and the activation, and of the mixer the gated norm's output
     assert layer_activation_bytes(memory.config, 1, one, "selective") == (
-        mixer + norms + mlp - 2 * h - 2 * h - 2 * 128 - 2 * conv - 2 * values)
+        mixer + norms + mlp - 2 * h - 2 * h - 2 * 128 - 2 * values)
     assert layer_activation_bytes(memory.config, 1, one, "full") == 2 * h
     moe = (4 * (4 + 10 * 2) + 2 * 2 * h + 2 * 2 * 2 * 32 + 2 * 3 * 2 * 32  # router, routed tokens, fc1, SwiGLU
            + 2 * 2 * 48 + 2 * 48 + 2 * (h + 1))  # the shared expert's fc1 and activation, its gate's factors

@@ -1,7 +1,7 @@
 """Ops alone on the GPU, in bf16.
 
-``--mode elementwise`` (default): Gemma's elementwise ops at Gemma-4-31B shapes and Qwen3-4B's q
-norm + RoPE, our Triton kernels against the PyTorch ops they replace (eager, and
+``--mode elementwise`` (default): Gemma's elementwise ops at Gemma-4-31B shapes, Qwen3-4B's q
+norm + RoPE and Qwen3.5-4B's short conv on a packed group, our Triton kernels against the PyTorch ops they replace (eager, and
 ``torch.compile``'d), forward and forward+backward. For each op: median time and the bandwidth it
 reaches over the least traffic the op needs (its inputs read and its outputs written once per
 direction, in bf16), so a kernel far below the card's ~4.8 TB/s shows at once.
@@ -22,6 +22,7 @@ Prints a table and writes CSV (ops.csv, logprobs.csv):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from bench_attention import bench, write_table  # noqa: E402
 from megatron_dualkv.cli import ArgumentParser  # noqa: E402
 from tool_args import comma_names  # noqa: E402
 from megatron_dualkv.layout import DualKVLayout  # noqa: E402
+from megatron_dualkv.ops.causal_conv1d import causal_conv1d_func  # noqa: E402
 from megatron_dualkv.ops.geglu import geglu_func, geglu_reference  # noqa: E402
 from megatron_dualkv.ops.linear_logprobs import linear_logprobs_func  # noqa: E402
 from megatron_dualkv.ops.rms_norm import rms_norm_func, rms_norm_reference  # noqa: E402
@@ -42,6 +44,7 @@ from megatron_dualkv.ops.rms_norm_rope import rms_norm_rope_func, rms_norm_rope_
 from megatron_dualkv.rl import ResponseTokens, vocab_parallel_logprobs  # noqa: E402
 
 HIDDEN, FFN, HEADS, HEAD_DIM = 5376, 21504, 32, 256  # Gemma 4 31B (sliding layers' head dim)
+QWEN35_CONV_CHANNELS = 8192  # Qwen3.5-4B: 16 key heads' q and k (128 each) and 32 value heads' v (128)
 QWEN3_HEADS, QWEN3_HEAD_DIM = 32, 128  # Qwen3-4B's query heads
 VOCABS = {"qwen3": 151936, "gemma3": 262208}
 LOGPROB_HIDDEN = 2560  # Qwen3-4B and Gemma-3-4B
@@ -87,6 +90,29 @@ def _rms_norm_rope(heads: int, head_dim: int) -> Op:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _group_of(tokens: int, device: torch.device) -> DualKVLayout:
+    """A prompt of a third of the rows and up to 16 responses sharing the rest (24,576 rows: 8192 + 16 x 1024);
+    one object per size, so its kernel tables are built once, not in the timed calls."""
+    prompt = max(1, tokens // 3)
+    rest = tokens - prompt
+    n = min(16, rest)
+    return DualKVLayout((prompt,), (tuple(rest // n + (i < rest % n) for i in range(n)),)).to(device)
+
+
+def _causal_conv1d(channels: int, width: int) -> Op:
+    """The GDN layer's short conv with SiLU over the packed group (each response continues the prompt's
+    last rows): x in, y out; x and dy in, dx out (the weight's gradient is a reduction)."""
+    def conv(use_kernel: bool):
+        return lambda x, w: causal_conv1d_func(x, w, _group_of(x.shape[0], x.device), activation="silu",
+                                               use_kernel=use_kernel)
+
+    return Op(
+        lambda t, d: (_randn(t, channels, device=d), _randn(channels, width, device=d) / width**0.5),
+        conv(True), conv(False), lambda xs: 2 * xs[0].numel(), lambda xs: 3 * xs[0].numel(),
+    )
+
+
 OPS = {
     "rms_norm": _rms_norm(HIDDEN),  # the layer's input / post-attention / post-MLP norms
     "rms_norm_heads": _rms_norm(HEADS, HEAD_DIM),  # the query/key norms, one row per token and head
@@ -97,6 +123,7 @@ OPS = {
         geglu_func, geglu_reference,
         lambda xs: 3 * xs[0].numel() // 2, lambda xs: 5 * xs[0].numel() // 2,
     ),
+    "causal_conv1d": _causal_conv1d(QWEN35_CONV_CHANNELS, 4),  # Qwen3.5-4B's GDN q, k and v before the rule
 }
 METHODS = ("ours", "torch", "torch_compile")
 

@@ -5,7 +5,8 @@ TMA from sm_90 on), and each kernel launch is replaced by a compile for the targ
 cubin through ``ptxas``, no launch and no output. Attention runs on a DualKV layout and on a
 prefix tree (the forward and dQ kernels' multi-range variants), and against a prompt held apart
 (``dualkv_prefix_attn``: its prefix kernels, at the GPU's blocks, with a window and softcap). The
-gated delta rule's chunk state scan compiles once, in float32 at Dk = Dv = 128 and chunks of 64.
+gated delta rule's chunk state scan compiles once, in float32 at Dk = Dv = 128 and chunks of 64; the
+short conv's three kernels with the elementwise ops.
 A kernel that the GPU would refuse (a type error, an unsupported op, or shared memory over the
 block's limit, which a compile does not check and a launch does) fails here in seconds instead of
 in a device call. The interpreter that runs the CPU tests does not type-check, and it has no
@@ -44,6 +45,7 @@ from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run
 
 sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # an installed or PYTHONPATH package first
 from megatron_dualkv import DualKVLayout, PrefixedLayout, TreeLayout  # noqa: E402
+from megatron_dualkv.ops import causal_conv1d as conv  # noqa: E402
 from megatron_dualkv.ops import chunk_state_scan as scan  # noqa: E402
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from megatron_dualkv.ops import dualkv_prefix_attn as prefix  # noqa: E402
@@ -115,6 +117,7 @@ def compile_instead_of_launch(arch: int) -> list:
         name, head_dim, torch.device("cuda"), dtype)
     kernels._has_tma = lambda device: arch >= 90
     row_gather.use_triton = lambda device, requested=None: True
+    conv.use_triton = row_gather.use_triton
     scan.triton_available = lambda device: True
     return compiled
 
@@ -144,6 +147,11 @@ def elementwise_cases(dtype: torch.dtype):
     rms_norm_rope_func(x, weight, 1e-6, torch.randn(5, 256)).float().sum().backward()
     geglu_func(torch.randn(5, 2 * 300, dtype=dtype, requires_grad=True)).float().sum().backward()
     row_gather.row_gather_sum(torch.randn(5 * 8, 1100, dtype=dtype), torch.randperm(5 * 8), 8)
+    conv_layout = DualKVLayout((9,), ((1, 4, 2),))
+    conv_x = torch.randn(conv_layout.total_tokens, 300, dtype=dtype, requires_grad=True)
+    for bias in (None, torch.randn(300, dtype=dtype, requires_grad=True)):
+        conv.causal_conv1d_func(conv_x, torch.randn(300, 4, dtype=dtype, requires_grad=True), conv_layout, bias, "silu",
+                           use_kernel=True).float().sum().backward()
 
 
 def chunk_state_scan_case():
@@ -171,7 +179,7 @@ def cases(head_dims, dtypes):
         yield f"attention prefix D={d} {name} window=50 softcap=30.0", lambda d=d, dt=dtype: prefix_attention_case(
             d, dt, 50, 30.0)
     for name, dtype in dtypes.items():
-        yield f"rms_norm, rms_norm_rope, geglu, row_gather_sum {name}", lambda dt=dtype: elementwise_cases(dt)
+        yield f"rms_norm, rms_norm_rope, geglu, row_gather_sum, causal_conv1d {name}", lambda dt=dtype: elementwise_cases(dt)
     yield "chunk_state_scan fp32 Dk=128 Dv=128 L=64", chunk_state_scan_case
 
 

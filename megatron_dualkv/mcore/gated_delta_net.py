@@ -48,6 +48,7 @@ from torch import Tensor
 
 from ..layout import PackedLayout, TreeLayout
 from ..ops.causal_conv1d import causal_conv1d_func
+from ..ops.checks import use_triton
 from ..ops.gated_delta_rule import gated_delta_rule_func
 from .recompute import Release, checkpoint_without_output
 
@@ -68,7 +69,8 @@ class DualKVGatedDeltaNet(MegatronModule):
     Selective recompute (set per layer by ``GatedDeltaNetLayer``): the conv's output (with its
     SiLU) is freed once the delta rule has run, the gated norm's once ``out_proj`` has saved it,
     and each is recomputed in the backward from what it kept: the conv from its input, without the
-    gathered input and the pre-SiLU output it would save, and the norm from o and the gate."""
+    gathered input and the pre-SiLU output it would save, and the norm from o and the gate. Where
+    the conv runs its Triton kernels (CUDA) it keeps only its input anyway, so it is not recomputed."""
 
     recompute_conv = False  # with the layer's recompute_activations
     recompute_gated_norm = False  # with the layer's recompute_norms
@@ -137,7 +139,8 @@ class DualKVGatedDeltaNet(MegatronModule):
             tokens, [self.conv_group_channels, self.values_per_key * self.value_dim, self.values_per_key,
                      self.values_per_key], dim=-1)
         conv = functools.partial(causal_conv1d_func, weight=self.conv_weight, layout=layout, activation="silu")
-        qkv, release_conv = checkpoint_without_output(conv, qkv.reshape(seq * batch, -1), enabled=self.recompute_conv)
+        qkv, release_conv = checkpoint_without_output(conv, qkv.reshape(seq * batch, -1),
+                                                      enabled=self.recompute_conv and not use_triton(qkv.device))
         q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
                               [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
         out = self._delta_rule(q, k, v, b, a, layout)  # [T, local value heads, Dv]

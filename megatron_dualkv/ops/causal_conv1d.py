@@ -12,10 +12,12 @@ along its path to the root (its "carried-in" inputs are the last K-1 tokens of i
 every trajectory gets what it gets alone. A parent's tail feeds several children, and its
 gradient sums over them.
 
-``causal_conv1d_func`` is the fast path on any device: one gather lays every segment out after its
-carried-in rows (zeros before a root), one depthwise ``conv1d`` runs over that, and the rows of the
-segments' own tokens are kept. Its gather sums a shared tail's gradient in a fixed order (no
-atomics), so the backward is bitwise reproducible.
+``causal_conv1d_func`` is the fast path. On CUDA it runs Triton kernels on the (T, C) layout: each
+token reads its K rows through a table of where its window's rows are packed (``_TapTable``), so the
+forward reads x and writes y once. Off CUDA one gather lays every segment out after its carried-in
+rows (zeros before a root), one depthwise ``conv1d`` runs over that, and the rows of the segments'
+own tokens are kept. Both sum a shared tail's gradient in a fixed order (no atomics), so the
+backward is bitwise reproducible.
 """
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from ..layout import PackedLayout
-from .checks import check_layout
+from .checks import check_layout, use_triton
 
 ACTIVATIONS = {None: lambda x: x, "silu": F.silu}
 
@@ -52,20 +56,210 @@ def causal_conv1d_reference(
 
 def causal_conv1d_func(
     x: Tensor, weight: Tensor, layout: PackedLayout, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+    use_kernel: Optional[bool] = None,
 ) -> Tensor:
     """x: (T, C), weight: (C, K), bias: (C,) or None, activation: None or "silu" -> (T, C): what
-    ``causal_conv1d_reference`` computes, as one gather and one depthwise convolution.
+    ``causal_conv1d_reference`` computes.
 
-    Every segment is laid out after its K-1 carried-in rows (the last inputs of its path, zeros
-    before a root); a valid convolution over that extended sequence gives each own token the window
-    it has alone, and the rows in front of each segment absorb the windows that would straddle two.
+    use_kernel: None, the Triton kernels on CUDA and the gather + ``conv1d`` path elsewhere (the
+    interpreter would run the models' CPU passes at Python speed); True, the kernels wherever Triton
+    runs (on CPU under ``TRITON_INTERPRET=1``: the tests); False, the gather + ``conv1d`` path: every
+    segment laid out after its K-1 carried-in rows (the last inputs of its path, zeros before a
+    root), so a valid convolution over that extended sequence gives each own token the window it
+    has alone, and the rows in front of each segment absorb the windows that would straddle two.
     """
     _check_inputs(x, weight, layout, bias, activation)
     width = weight.shape[1]
+    if use_triton(x.device, use_kernel):
+        if width > MAX_KERNEL_WIDTH:
+            raise ValueError(f"causal_conv1d_func: the kernels take widths up to {MAX_KERNEL_WIDTH}, got {width}; "
+                             "pass use_kernel=False")
+        table = layout.derived(("causal_conv1d_taps", width, x.device), lambda: _TapTable.build(layout, width, x.device))
+        return _CausalConv1d.apply(x, weight, bias, table, activation)
     plan = layout.derived(("causal_conv1d", width, x.device), lambda: _ExtendedLayout.build(layout, width, x.device))
     extended = GatherRows.apply(x, plan.gather)  # (T + S (K-1), C)
     y = F.conv1d(extended.T[None], weight[:, None, :], bias, groups=x.shape[1])[0].T
     return ACTIVATIONS[activation](y.index_select(0, plan.outputs))
+
+
+MAX_KERNEL_WIDTH = 8
+# Tokens per program of each kernel (the dpre kernel's per-block dw partials are summed by torch), and
+# channels per program. 8 warps is what the GPU tests have run; a sweep on an H200 at 24,576 x 8,192
+# ran 4 warps 1.4x faster (PERF_NOTES.md, run FT), the next setting to test there.
+FWD_BLOCK_T, DPRE_BLOCK_T, DX_BLOCK_T, BLOCK_C, WARPS = 32, 64, 32, 128, 8
+
+
+# For token t and tap j < K, taps[t, j] is the packed row of x_{t-K+1+j} along t's path (-1: before
+# the root, reads zero); taps[t, K-1] = t. Per channel c (fp32, one rounding to y's dtype):
+#     pre[t, c] = bias[c] + sum_j weight[c, j] * x[taps[t, j], c]        y[t, c] = act(pre[t, c])
+@triton.jit
+def _conv_fwd_kernel(X, W, B, TAPS, Y, T, C, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                     BT: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    pre = _pre_activation(X, W, B, TAPS, rows, cols, T, C, K, HAS_BIAS, BT, BC)
+    y = pre * tl.sigmoid(pre) if SILU else pre
+    inside = (rows < T)[:, None] & (cols < C)[None, :]
+    tl.store(Y + rows.to(tl.int64)[:, None] * C + cols[None, :], y.to(Y.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _pre_activation(X, W, B, TAPS, rows, cols, T, C, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr):
+    in_rows, in_cols = rows < T, cols < C
+    acc = tl.zeros([BT, BC], tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=in_cols, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(K):  # unrolled: the K row gathers can be in flight together
+        src = tl.load(TAPS + rows.to(tl.int64) * K + j, mask=in_rows, other=-1)
+        w = tl.load(W + cols * K + j, mask=in_cols, other=0.0).to(tl.float32)
+        x = tl.load(X + src.to(tl.int64)[:, None] * C + cols[None, :], mask=(src >= 0)[:, None] & in_cols[None, :],
+                    other=0.0)
+        acc += w[None, :] * x.to(tl.float32)
+    return acc
+
+
+# The backward's first half: dpre = dy * act'(pre) (pre recomputed from x, not kept), written in fp32,
+# and this block's share of the weight and bias gradients,
+#     dw[c, j] = sum_t dpre[t, c] * x[taps[t, j], c]        db[c] = sum_t dpre[t, c],
+# as per-block partials that torch sums in block order (a fixed order: no atomics).
+@triton.jit
+def _conv_bwd_dpre_kernel(X, W, B, TAPS, DY, DPRE, DW_PART, DB_PART, T, C, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    block = tl.program_id(0)
+    rows = block * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    in_rows, in_cols = rows < T, cols < C
+    inside = in_rows[:, None] & in_cols[None, :]
+    offsets = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    dpre = tl.load(DY + offsets, mask=inside, other=0.0).to(tl.float32)
+    if SILU:  # silu'(p) = s (1 + p (1 - s)), s = sigmoid(p)
+        pre = _pre_activation(X, W, B, TAPS, rows, cols, T, C, K, HAS_BIAS, BT, BC)
+        s = tl.sigmoid(pre)
+        dpre = dpre * s * (1 + pre * (1 - s))
+    tl.store(DPRE + offsets, dpre, mask=inside)
+    part = block.to(tl.int64) * K * C
+    for j in tl.static_range(K):
+        src = tl.load(TAPS + rows.to(tl.int64) * K + j, mask=in_rows, other=-1)
+        x = tl.load(X + src.to(tl.int64)[:, None] * C + cols[None, :], mask=(src >= 0)[:, None] & in_cols[None, :],
+                    other=0.0)
+        tl.store(DW_PART + part + j * C + cols, tl.sum(dpre * x.to(tl.float32), 0), mask=in_cols)
+    if HAS_BIAS:
+        tl.store(DB_PART + block.to(tl.int64) * C + cols, tl.sum(dpre, 0), mask=in_cols)
+
+
+# The backward's second half: row s of x feeds every (t, j) with taps[t, j] = s, so
+#     dx[s, c] = sum over s's readers (t, j) of weight[c, j] * dpre[t, c],
+# in fp32, written once: each dx row has one program, nothing races. Almost every reader is packed
+# m = K-1-j rows after s (within a segment, or a child right after its parent): those are found by
+# checking taps[s + m, K-1-m] == s, with contiguous rows and no list. The others (a prompt's last K-1
+# rows read by every further response; a tree segment's children packed later) come from a short
+# list per row (``_TapTable.far_readers``), after the near ones, in increasing t K + j: a fixed order.
+@triton.jit
+def _conv_bwd_dx_kernel(W, DPRE, TAPS, FAR_START, FAR_READERS, BLOCK_FAR, DX, T, C, K: tl.constexpr,
+                        BT: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    in_rows, in_cols = rows < T, cols < C
+    acc = tl.zeros([BT, BC], tl.float32)
+    for m in tl.static_range(K):
+        t = rows + m
+        near = tl.load(TAPS + t.to(tl.int64) * K + (K - 1 - m), mask=t < T, other=-1) == rows
+        w = tl.load(W + cols * K + (K - 1 - m), mask=in_cols, other=0.0).to(tl.float32)
+        dpre = tl.load(DPRE + t.to(tl.int64)[:, None] * C + cols[None, :], mask=near[:, None] & in_cols[None, :],
+                       other=0.0)
+        acc += w[None, :] * dpre
+    start = tl.load(FAR_START + rows, mask=in_rows, other=0)
+    count = tl.load(FAR_START + rows + 1, mask=in_rows, other=0) - start
+    for e in range(tl.load(BLOCK_FAR + tl.program_id(0))):  # 0 in almost every block
+        live = e < count
+        reader = tl.load(FAR_READERS + start + e, mask=live, other=0)  # t K + j
+        # names of their own: a name the unrolled loop above assigned would be carried through this one
+        far_t, far_j = reader // K, reader % K
+        far_w = tl.load(W + cols[None, :] * K + far_j[:, None], mask=live[:, None] & in_cols[None, :], other=0.0)
+        far_dpre = tl.load(DPRE + far_t.to(tl.int64)[:, None] * C + cols[None, :],
+                           mask=live[:, None] & in_cols[None, :], other=0.0)
+        acc += far_w.to(tl.float32) * far_dpre
+    tl.store(DX + rows.to(tl.int64)[:, None] * C + cols[None, :], acc.to(DX.dtype.element_ty),
+             mask=in_rows[:, None] & in_cols[None, :])
+
+
+@dataclass(frozen=True)
+class _TapTable:
+    """Where each token's window is packed, and who reads each row far away: the kernels' view of a layout.
+
+    taps: (T, K) int32, the packed row of x_{t-K+1+j} along t's path, -1 before the root;
+    far_readers: every (t, j) with s = taps[t, j] >= 0 but t != s + K-1-j, as t K + j, grouped by s
+    and in increasing t K + j within a row; far_start: (T + 1,) int32, row s's are
+    far_readers[far_start[s]:far_start[s + 1]]; block_far: (blocks of DX_BLOCK_T rows,) int32, the
+    longest list in each block."""
+
+    taps: Tensor
+    far_readers: Tensor
+    far_start: Tensor
+    block_far: Tensor
+
+    @classmethod
+    def build(cls, layout: PackedLayout, width: int, device) -> "_TapTable":
+        tokens = layout.total_tokens
+        taps = torch.full((tokens, width), -1, dtype=torch.int64)
+        for node in layout.nodes:
+            tail = _path_tail(node, width - 1)
+            window = torch.tensor([-1] * (width - 1 - len(tail)) + tail + list(range(node.start, node.start + node.length)),
+                                  dtype=torch.int64)
+            # own token i's window is window[i : i + K]
+            taps[node.start:node.start + node.length] = window.unfold(0, width, 1)
+        flat = taps.flatten()
+        reader = torch.arange(flat.numel())
+        near = flat == reader // width + reader % width - (width - 1)
+        far = torch.nonzero((flat >= 0) & ~near).flatten()
+        far = far[torch.argsort(flat[far], stable=True)]  # by the row read, then t K + j
+        counts = torch.bincount(flat[far], minlength=tokens)
+        far_start = torch.zeros(tokens + 1, dtype=torch.int64)
+        far_start[1:] = torch.cumsum(counts, 0)
+        padded = torch.zeros(triton.cdiv(tokens, DX_BLOCK_T) * DX_BLOCK_T, dtype=torch.int64)
+        padded[:tokens] = counts
+        block_far = padded.view(-1, DX_BLOCK_T).amax(1)
+        return cls(*(t.to(device=device, dtype=torch.int32) for t in (taps, far, far_start, block_far)))
+
+
+class _CausalConv1d(torch.autograd.Function):
+    """The Triton path of ``causal_conv1d_func``: keeps x (and the parameters), recomputes pre in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], table: _TapTable, activation: Optional[str]):
+        x, weight = x.contiguous(), weight.contiguous()
+        tokens, channels = x.shape
+        y = torch.empty_like(x)
+        grid = (triton.cdiv(tokens, FWD_BLOCK_T), triton.cdiv(channels, BLOCK_C))
+        if tokens and channels:
+            _conv_fwd_kernel[grid](x, weight, bias if bias is not None else weight, table.taps, y, tokens, channels,
+                                   K=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu",
+                                   BT=FWD_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.table, ctx.activation = table, activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, bias = ctx.saved_tensors
+        table, (tokens, channels), width = ctx.table, x.shape, weight.shape[1]
+        dy = dy.contiguous()
+        blocks = triton.cdiv(tokens, DPRE_BLOCK_T)
+        dpre = torch.empty(tokens, channels, device=x.device, dtype=torch.float32)
+        dw_part = torch.zeros(blocks, width, channels, device=x.device, dtype=torch.float32)
+        db_part = torch.zeros(blocks, channels, device=x.device, dtype=torch.float32)
+        dx = torch.empty_like(x)
+        if tokens and channels:
+            _conv_bwd_dpre_kernel[(blocks, triton.cdiv(channels, BLOCK_C))](
+                x, weight, bias if bias is not None else weight, table.taps, dy, dpre, dw_part, db_part, tokens, channels,
+                K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DPRE_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
+            _conv_bwd_dx_kernel[(triton.cdiv(tokens, DX_BLOCK_T), triton.cdiv(channels, BLOCK_C))](
+                weight, dpre, table.taps, table.far_start, table.far_readers, table.block_far, dx, tokens, channels,
+                K=width, BT=DX_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
+        dweight = dw_part.sum(0).T.to(weight.dtype)
+        dbias = None if bias is None else db_part.sum(0).to(bias.dtype)
+        return dx, dweight, dbias, None, None
 
 
 @dataclass(frozen=True)

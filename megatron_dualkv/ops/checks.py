@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -18,6 +19,12 @@ def triton_available(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(device: torch.device, requested: Optional[bool] = None) -> bool:
+    """Whether an op runs its Triton kernels: ``requested`` None, on CUDA only (the interpreter would
+    run the models' CPU passes at Python speed); True, wherever Triton runs; False, never."""
+    return (device.type == "cuda" if requested is None else bool(requested)) and triton_available(device)
 
 
 def check_layout(layout) -> None:

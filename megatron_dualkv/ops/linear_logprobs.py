@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..attention import use_triton
+from .checks import use_triton
 
 CHUNK_ELEMENTS = 1 << 28  # logits per chunk: 1 GiB in fp32 (the kernels keep them in the inputs' dtype)
 MIN_CHUNK_COLUMNS = 128  # even with very many rows: matrix products stay wide enough to run well

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import use_triton
+from .checks import use_triton
 
 BLOCK_H = 1024  # columns per program
 
