@@ -473,12 +473,9 @@ def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
 def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts, card: ModelCard) -> None:
     """--prefix-reuse as a bool in ``args``: auto is on where prefix reuse runs (``rl.prefix_reuse``),
     on where it does not is an error naming what is in the way."""
-    # a Gated DeltaNet layer hands its responses a recurrent state, which prefix reuse does not hold
-    layer_types = family_of(card).transformer_config_kwargs(card).get("layer_types", ())
     unsupported = [what for bad, what in (
         (args.layout != "packed", f"--layout {args.layout}"),
-        (_transformer_engine(args), "the Transformer Engine spec"),
-        ("linear_attention" in layer_types, "Gated DeltaNet layers")) if bad]
+        (_transformer_engine(args), "the Transformer Engine spec")) if bad]
     if args.prefix_reuse == "on" and unsupported:
         raise InputError(f"--prefix-reuse on does not run with {', '.join(unsupported)} yet; use --prefix-reuse off")
     args.prefix_reuse = args.prefix_reuse != "off" and not unsupported

@@ -543,24 +543,37 @@ class MemoryModel:
         what the prompt's layer does not keep itself: its keys where selective recompute frees them
         (``recompute_qk_norm_rope``), its keys and values where the layer is recomputed whole (else
         the held K/V are views of what its attention keeps, counted in the activations). With the
-        prompt's activations on the host, every layer's held K/V count: nothing else keeps them."""
+        prompt's activations on the host, every layer's held K/V count: nothing else keeps them. A
+        Gated DeltaNet layer holds a copy of its prompt's final state and conv tail, and their
+        gradients, whatever the prompt's length."""
         rows = {"none": 2, "selective": 3, "full": 4}
         return self._held_rows_bytes(prompt_tokens, lambda layer_mode: 4 if prompt_on_host else rows[layer_mode],
                                      mode, recompute_layers, pp_rank)
 
     def _held_rows_bytes(self, prompt_tokens: int, rows_of: Callable[[str], int], mode: str,
                          recompute_layers: Optional[int], pp_rank: int) -> float:
-        """``rows_of(layer mode)`` rows of the prompt's K/V shape per layer."""
+        """``rows_of(layer mode)`` rows of the prompt's K/V shape per attention layer, and per GDN layer
+        its state and conv tail and their gradients."""
         config = self.config
         element = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
         total = 0.0
         for layers in chunk_layers(config, self.sizes, pp_rank):
             for number, layer_mode in zip(layers, layer_modes(mode, recompute_layers, layers)):
+                if _is_gated_delta_net(config, number):
+                    total += 2 * self._held_state_bytes(element)
+                    continue
                 # Gemma's full-attention layers hold their own heads and head dim
                 layer = _layer_config(config, number)
                 row = self._held_kv_heads(layer) * layer.kv_channels * element * prompt_tokens
                 total += row * rows_of(layer_mode)
         return total
+
+    def _held_state_bytes(self, element: int) -> float:
+        """A GDN layer's final state (fp32, per value head Dk x Dv) and K-1 rows of its conv input, on a rank."""
+        config, gdn = self.config, _GatedDeltaNetWidths.of(self.config)
+        state = gdn.value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        tail = (config.linear_conv_kernel_dim - 1) * gdn.conv * element
+        return (state + tail) / self.sizes.tp
 
     def _held_kv_heads(self, layer) -> int:
         """The K/V heads whose prompt rows a rank holds: its TP share, under Ulysses CP its share

@@ -160,6 +160,10 @@ PARALLEL_RUNS = {
                                                        recompute=dict(recompute="selective", recompute_layers=1,
                                                                       prefix_reuse_prompt_on_host=True)),
     "reuse_trees_gemma3_pp2": ParallelRun("gemma3-tiny", 2, dict(pp=2), trees=True, reuse=True),
+    # Qwen3.5: each rank holds its GDN heads' prompt state and conv tail, each stage its layers'
+    "reuse_hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True), reuse=True),
+    "reuse_hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2), reuse=True),
+    "reuse_hybrid_moe_ep2": ParallelRun("qwen3-next-tiny", 2, dict(ep=2), reuse=True),
     "reuse_dense_tp2_sp_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, sp=True, cp=2), reuse=True),
     # each TP rank's stages exchange its sequence-parallel shard of the prompt's hidden states, each
     # CP rank's its slice (the last stage's CP ranks then share out the prompt's last row)

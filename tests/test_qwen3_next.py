@@ -5,6 +5,8 @@ alone; test_recompute; test_parallel: tp and pp on gloo): the replicated layout 
 packed one, the cost model's GDN count against the module's own weights, the launch script, and
 the clear errors."""
 
+import json
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from megatron_dualkv.models.builder import FAMILIES, uses_transformer_engine
 from megatron_dualkv.planner import CostModel, gated_delta_net_token_flops
 from megatron_dualkv.rl import GRPOLoss, forward_backward
 from rollouts import rl_micro_batches
-from test_examples import ROOT, SCRIPT, load, train_in_process
+from test_examples import ROOT, SCRIPT, load, number, train_in_process
 
 CARD = "qwen3_5-tiny"
 SHAPES = [[(6, [4, 1, 5]), (2, [3])]]
@@ -72,6 +74,22 @@ def test_the_launch_script_trains_the_tiny_card(capsys):
     out, steps = train_in_process(script, capsys, "--model", CARD, "--steps", 1, "--rollouts",
                                   ROOT / "examples" / "data" / "agent_episodes.jsonl")
     assert f"model {CARD}" in out and "| spec local |" in out and list(steps) == [1]
+
+
+def test_the_launch_script_holds_a_long_group_s_prompt_state(tmp_path, capsys):
+    """A group over --max-tokens: prefix reuse (the default) runs its prompt once and hands each part
+    the GDN layers' state and conv tail; the same step as sub-groups that each carry the prompt."""
+    script = load(SCRIPT, "grpo_policy_update")
+    rollouts = tmp_path / "ids.jsonl"
+    group = {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(8)],
+             "rewards": [i % 2 for i in range(8)]}
+    rollouts.write_text(json.dumps(group) + "\n")
+    steps = {}
+    for reuse, how in (("auto", "prefix reuse (its prompt runs once)"), ("off", "sub-groups (each carries its prompt)")):
+        out, steps[reuse] = train_in_process(script, capsys, "--model", CARD, "--rollouts", rollouts, "--global-batch-size",
+                                             1, "--max-tokens", 48, "--steps", 1, "--loss", "grpo", "--prefix-reuse", reuse)
+        assert f"in 2 micro-batches, as {how}" in out and list(steps[reuse]) == [1]
+    assert number(steps["auto"][1], "margin") == pytest.approx(number(steps["off"][1], "margin"), abs=1e-5)
 
 
 def test_bad_settings_name_what_is_wrong():

@@ -100,7 +100,7 @@ FULL_DEPTH = {
 LAYOUTS = ("packed", "reuse", "replicated")
 # The step's forward-pass equivalents: forward and backward of its one update (no behaviour pass).
 STEP_PASSES = 3
-TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)]}
+TINY_FULL_DEPTH = {"qwen3-tiny": [(4, 96, 24)], "gemma3-tiny": [(4, 96, 24)], "qwen3_5-tiny": [(4, 96, 24)]}
 # --agent: (prompt, trajectory pairs, turns, model tokens, tool tokens) of issue #31's workload (a)
 AGENT = (4096, 4, 4, 512, 512)
 TINY_AGENT = (48, 2, 3, 8, 8)

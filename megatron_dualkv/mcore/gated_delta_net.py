@@ -13,6 +13,10 @@ Two pieces carry state across a segment boundary, and both follow the layout's t
 Autograd through those gathers sums a shared state's gradient over its children. Without packed
 params (the replicated layout) each row of the batch is one sequence from zero state.
 
+Prefix reuse (``rl.prefix_reuse``, a group split into micro-batches that share one prompt pass):
+the prompt's pass holds the prompt's final state and its last K-1 conv inputs, and each part's
+responses (a ``PrefixedLayout``) start from them, as they would packed after the prompt.
+
 The math is transformers' ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet``: q, k, v = SiLU(conv
 (x W_qkv)); q and k L2-normalised, each key head serving ``value_heads / key_heads`` value heads;
 beta = sigmoid(x W_b); the decay g = -exp(A_log) * softplus(x W_a + dt_bias); the output is
@@ -46,7 +50,7 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
-from ..layout import PackedLayout, TreeLayout
+from ..layout import PackedLayout, PrefixedLayout, TreeLayout
 from ..ops.causal_conv1d import causal_conv1d_func
 from ..ops.checks import use_triton
 from ..ops.gated_delta_rule import gated_delta_rule_func
@@ -138,12 +142,23 @@ class DualKVGatedDeltaNet(MegatronModule):
         qkv, z, b, a = torch.split(
             tokens, [self.conv_group_channels, self.values_per_key * self.value_dim, self.values_per_key,
                      self.values_per_key], dim=-1)
-        conv = functools.partial(causal_conv1d_func, weight=self.conv_weight, layout=layout, activation="silu")
-        qkv, release_conv = checkpoint_without_output(conv, qkv.reshape(seq * batch, -1),
+        conv_input = qkv.reshape(seq * batch, -1)
+        held = getattr(packed_seq_params, "held_prompt", None)
+        reads_held = held is not None and isinstance(layout, PrefixedLayout)
+        conv_layout, initial_state, extended = layout, None, conv_input
+        if reads_held:
+            tail, initial_state = held.kv[self.layer_number]
+            extended, conv_layout = _after_held_tail(conv_input, tail, layout, self.width)
+        conv = functools.partial(causal_conv1d_func, weight=self.conv_weight, layout=conv_layout, activation="silu")
+        qkv, release_conv = checkpoint_without_output(conv, extended,
                                                       enabled=self.recompute_conv and not use_triton(qkv.device))
+        qkv = qkv[len(qkv) - seq * batch:]  # a part's own rows, after the held tail's
         q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
                               [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
-        out = self._delta_rule(q, k, v, b, a, layout)  # [T, local value heads, Dv]
+        out, final_states = self._delta_rule(q, k, v, b, a, layout, initial_state)  # [T, local value heads, Dv]
+        if held is not None and not reads_held:
+            # the prompt's pass: its segment is the layout's first
+            out = held.hold_state(self.layer_number, out, conv_input, final_states[0], self.width)
         release_conv(out)
         normed, release_norm = self._gated_norm_kept_lean(out, z.reshape(out.shape), hidden_states.dtype)
         output = self.out_proj(normed.view(batch, seq, -1).transpose(0, 1))
@@ -151,15 +166,15 @@ class DualKVGatedDeltaNet(MegatronModule):
             release_norm(output[0])
         return output
 
-    def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, b: Tensor, a: Tensor, layout: PackedLayout) -> Tensor:
-        """Each key head's q and k serve its value heads; beta and the log decay g in float32, as
-        transformers computes them."""
+    def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, b: Tensor, a: Tensor, layout: PackedLayout,
+                    initial_state: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """(output, every segment's final state). Each key head's q and k serve its value heads; beta
+        and the log decay g in float32, as transformers computes them."""
         tokens = q.shape[0]
         beta = b.float().sigmoid().reshape(tokens, -1)
         decay = -self.A_log.float().exp() * F.softplus(a.float().reshape(tokens, -1) + self.dt_bias.float())
-        out, _ = gated_delta_rule_func(q, k, v.reshape(tokens, -1, self.value_dim), decay, beta, layout,
-                                       qk_l2norm=True)
-        return out
+        return gated_delta_rule_func(q, k, v.reshape(tokens, -1, self.value_dim), decay, beta, layout,
+                                     initial_state=initial_state, qk_l2norm=True)
 
     def _gated_norm_kept_lean(self, out: Tensor, gate: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Release]:
         """The gated norm, keeping only its inputs (``checkpoint_without_output``), and the release of
@@ -205,6 +220,26 @@ def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:
     if packed_seq_params is not None:
         raise ValueError("DualKVGatedDeltaNet: packed params without a DualKV layout (DualKVPackedSeqParams.from_layout)")
     return _rows_layout(seq, batch, torch.device(device))
+
+
+def _after_held_tail(conv_input: Tensor, tail: Tensor, layout: PrefixedLayout, width: int) -> Tuple[Tensor, TreeLayout]:
+    """A prefix-reuse part's conv input after its prompt's held last inputs ``tail`` (K-1 rows,
+    fewer in a shorter prompt: zeros before them, as before any root), and the layout in which that
+    tail is the root of every segment, so each window reaches back into the prompt."""
+    if layout.num_groups != 1:
+        raise ValueError(f"DualKVGatedDeltaNet: prefix reuse holds one prompt, got a PrefixedLayout of {layout.num_groups}")
+    carry = width - 1
+    rows = torch.cat([tail.new_zeros(carry - len(tail), tail.shape[1]), tail, conv_input]) if carry else conv_input
+    return rows, layout.derived(("gdn_held_tail", carry), lambda: _under_a_root(layout, carry))
+
+
+def _under_a_root(layout: PackedLayout, length: int) -> PackedLayout:
+    """``layout``'s segments (padding included) under one new root segment of ``length`` tokens."""
+    if not length:
+        return layout
+    lens = (length, *(node.length for node in layout.nodes))
+    parents = (-1, *(node.parent + 1 if node.parent >= 0 else 0 for node in layout.nodes))
+    return TreeLayout(lens, parents, device=layout.device)
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,19 +7,21 @@ trained token (``held_path_len``) and whose parts are each the rest of the tree 
 trajectories reach (``PrefixedLayout`` with ``segment_parents``). In a step (``forward_backward``,
 Megatron's schedule, micro-batches in order):
 
-1. the first part's forward runs the prompt alone (positions 0..P-1) and holds, per layer, its
-   K/V exactly as DualKV attention consumes them (after the q/k norm and RoPE), and the final
-   hidden state of its last position, which predicts every response's first token (under context
-   parallelism attention holds its rank's heads after the all-to-all, and the row is all-reduced
-   from the rank whose slice has it);
-2. every part runs its responses (``PrefixedLayout``: positions P..P+R_i-1) with
-   ``dualkv_prefix_attn_func`` against the held K/V. In a training step the held tensors are
-   detached leaves that require grad, so each part's backward accumulates the gradient flowing
-   into the prompt in their ``.grad``;
+1. the first part's forward runs the prompt alone (positions 0..P-1) and holds, per layer, what
+   its responses read of it: an attention layer's K/V exactly as DualKV attention consumes them
+   (after the q/k norm and RoPE), a Gated DeltaNet layer's final recurrent state and the last
+   K-1 inputs of its short conv (``DualKVGatedDeltaNet``); and the final hidden state of its last
+   position, which predicts every response's first token (under context parallelism attention
+   holds its rank's heads after the all-to-all, and the row is all-reduced from the rank whose
+   slice has it);
+2. every part runs its responses (``PrefixedLayout``: positions P..P+R_i-1): attention with
+   ``dualkv_prefix_attn_func`` against the held K/V, a GDN layer from the held state and conv
+   tail. In a training step the held tensors are detached leaves that require grad, so each
+   part's backward accumulates the gradient flowing into the prompt in their ``.grad``;
 3. when the last part's backward has finished, the prompt's backward runs once: from its last
-   hidden state with the accumulated gradient, while each layer's K/V (``_HeldKV``, the identity
-   on the prompt's graph) adds the accumulated gradient of its held copy to what the prompt's own
-   attention sends back. The held copies are dropped when it starts, and each layer's accumulated
+   hidden state with the accumulated gradient, while each layer's held tensors (``HeldKV``,
+   ``HeldState``: identities on the prompt's graph) add the accumulated gradient of their held
+   copies to what the prompt's own layer sends back. The held copies are dropped when it starts, and each layer's accumulated
    gradient once its layer has used it.
 
 With ``prefix_reuse_prompt_on_host`` in the model's config, what the prompt's forward saves for
@@ -77,9 +79,11 @@ class HeldPrompt:
         self.prompt_len = prompt_len
         self.requires_grad = requires_grad
         self.on_host = on_host  # the prompt's saved activations wait on the host (``host_stash``)
+        # per layer number, what the parts read: an attention layer's (k, v) prompt rows, a GDN layer's
+        # (conv tail, final state)
         self.kv: Dict[int, Tuple[Tensor, Tensor]] = {}
         self.holding = True  # until the prompt's backward: its recompute computes the held values again
-        # from the prompt's backward on: per layer, what the parts accumulated in its held k/v's .grad
+        # from the prompt's backward on: per layer, what the parts accumulated in its held tensors' .grad
         self.grads: Dict[int, Tuple[Optional[Tensor], Optional[Tensor]]] = {}
         # the prompt's last hidden row, in its graph; on a pipeline stage before the last, its output
         self.root: Optional[Tensor] = None
@@ -119,9 +123,24 @@ class HeldPrompt:
         held = [x.detach()[rows].clone() if copy else x.detach()[rows] for x, copy in zip((key, value), copies)]
         self.kv[layer] = tuple(x.requires_grad_(self.requires_grad) for x in held)
 
+    def hold_state(self, layer: int, output: Tensor, conv_input: Tensor, final_state: Tensor, width: int) -> Tensor:
+        """What a GDN layer calls on the prompt: its ``output`` back unchanged, holding copies of the
+        prompt's last ``width - 1`` rows of ``conv_input`` [t, channels] (fewer in a shorter prompt)
+        and of its ``final_state`` [heads, Dk, Dv] (both small: always copies)."""
+        tail = slice(max(0, self.prompt_len - (width - 1)), self.prompt_len)
+        return HeldState.apply(self, layer, tail, output, conv_input, final_state)
+
+    def keep_state(self, layer: int, tail: Tensor, final_state: Tensor) -> None:
+        if self.holding and layer not in self.kv:
+            self.kv[layer] = tuple(x.detach().clone().requires_grad_(self.requires_grad) for x in (tail, final_state))
+
+    def pop_gradients(self, layer: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """What the parts accumulated in ``layer``'s held tensors, handed out once."""
+        return self.grads.pop(layer, (None, None))
+
     def add_held_gradients(self, layer: int, dk: Tensor, dv: Tensor) -> Tuple[Tensor, Tensor]:
         out = []
-        for grad, held in zip((dk, dv), self.grads.pop(layer, (None, None))):
+        for grad, held in zip((dk, dv), self.pop_gradients(layer)):
             if held is not None:
                 grad = grad.clone()
                 grad[: self.prompt_len] += held
@@ -133,7 +152,7 @@ class HeldPrompt:
         grad = self._root_gradient()
         # The held copies are read no more: their gradients alone go on, each layer's freed once that
         # layer's backward has added it, so the backward's peak is not the parts' (``MemoryModel``).
-        self.grads = {layer: (k.grad, v.grad) for layer, (k, v) in self.kv.items()}
+        self.grads = {layer: tuple(t.grad for t in tensors) for layer, tensors in self.kv.items()}
         self._free_held_copies()
         self.kv, self.holding = {}, False
         root, self.root = self.root, None
@@ -180,6 +199,30 @@ class HeldKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dk, dv):
         return (None, None, None, *ctx.held.add_held_gradients(ctx.layer, dk, dv))
+
+
+class HeldState(torch.autograd.Function):
+    """Identity on a GDN layer's prompt output that holds the prompt's conv tail and final state and,
+    in the prompt's backward, sends the gradients the parts accumulated in them to the conv input's
+    tail rows and to the final state. One node after the delta rule for both, so that it runs in
+    the backward (a node on the final state alone, which nothing in the prompt reads, would not)."""
+
+    @staticmethod
+    def forward(ctx, held: HeldPrompt, layer: int, tail: slice, output: Tensor, conv_input: Tensor,
+                final_state: Tensor):
+        held.keep_state(layer, conv_input[tail], final_state)
+        ctx.held, ctx.layer, ctx.tail = held, layer, tail
+        ctx.conv_shape, ctx.conv_dtype = conv_input.shape, conv_input.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tail_grad, state_grad = ctx.held.pop_gradients(ctx.layer)
+        conv_grad = None
+        if tail_grad is not None:
+            conv_grad = tail_grad.new_zeros(ctx.conv_shape, dtype=ctx.conv_dtype)
+            conv_grad[ctx.tail] = tail_grad
+        return None, None, None, grad, conv_grad, state_grad
 
 
 class _AfterLastPart(torch.autograd.Function):
@@ -382,9 +425,9 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
             output = tensor_parallel_rows(model, output)
     layers = len(get_attr_wrapped_model(model, "decoder").layers)  # this pipeline stage's
     if len(held.kv) != layers:
-        raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt K/V; it needs "
-                         "DualKVAttention as every layer's core attention (the local layer spec, not Transformer "
-                         "Engine's; no Gated DeltaNet layers, whose prompt state is no K/V)")
+        raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt's K/V or state; it "
+                         "needs DualKVAttention as every attention layer's core attention (the local layer spec, not "
+                         "Transformer Engine's)")
     if held.on_last_stage:
         _hold_last_row(held, output, prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
     else:
