@@ -252,7 +252,7 @@ from megatron_dualkv.models import (  # noqa: E402
     ModelCard, architecture_differences, build_model, checkpoint_card, load_card, load_megatron_state_dict, load_model,
     weights_only,
 )
-from megatron_dualkv.models.builder import family_of, param_dtype  # noqa: E402
+from megatron_dualkv.models.builder import param_dtype  # noqa: E402
 from megatron_dualkv.rl import (  # noqa: E402
     DAPOLoss, GRPOLoss, MiniBatch, PPOUpdate, PrefixReuseBatch, RLMicroBatch, RLStepOutput, ResponseTokens, forward_only,
     plan_mini_batches, ppo_updates,
@@ -470,7 +470,7 @@ def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
             predicted / sum(batch.num_tokens for batch in batches))
 
 
-def resolve_prefix_reuse(args: argparse.Namespace, rollouts: Rollouts, card: ModelCard) -> None:
+def resolve_prefix_reuse(args: argparse.Namespace) -> None:
     """--prefix-reuse as a bool in ``args``: auto is on where prefix reuse runs (``rl.prefix_reuse``),
     on where it does not is an error naming what is in the way."""
     unsupported = [what for bad, what in (
@@ -1027,7 +1027,7 @@ def train(args: argparse.Namespace) -> None:
     card = model_card(args)
     rollouts = read_run_rollouts(args, card.config["vocab_size"])
     groups = file_groups(rollouts)
-    resolve_prefix_reuse(args, rollouts, card)
+    resolve_prefix_reuse(args)
     fit = fit_to_memory(args, groups)
     check_token_budget(args, groups)
     policy = build_policy(args)

@@ -1079,7 +1079,7 @@ def test_memory_fit_counts_the_held_path_of_split_trees(script):
     rollouts = read_rollouts(AGENT_EPISODES, 256, ROOT / "examples" / "data" / "tokenizer.model")
     groups = script.file_groups(rollouts)
     args = script.parse_args(["--prefix-reuse", "on"])
-    script.resolve_prefix_reuse(args, rollouts, script.model_card(args))
+    script.resolve_prefix_reuse(args)
     sizes = [pack_trajectories(g).num_tokens for g in groups]  # one tree per group
     over = [held_path_len(g) for g, n in zip(groups, sizes) if n > 300]
     assert over and min(over) > 0 and script.held_prompt(args, groups, 300) == max(over)
@@ -1124,18 +1124,14 @@ def test_attention_bench_baselines_use_the_layouts_mask(window):
 
 
 def test_prefix_reuse_on_names_what_is_in_the_way(script):
-    no_trajectories = SimpleNamespace(trajectories=None)
     args = script.parse_args(["--prefix-reuse", "on", "--layout", "replicated"])
     with pytest.raises(script.InputError, match=r"^--prefix-reuse on does not run with --layout replicated yet; "
                                                 r"use --prefix-reuse off$"):
-        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
-    args = script.parse_args(["--prefix-reuse", "on", "--model", "qwen3_5-tiny"])
-    with pytest.raises(script.InputError, match=r"^--prefix-reuse on does not run with Gated DeltaNet layers yet"):
-        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
+        script.resolve_prefix_reuse(args)
     for flags, want in ((["--layout", "replicated"], False), ([], True), (["--prefix-reuse", "off"], False),
-                        (["--model", "qwen3_5-tiny"], False)):
+                        (["--model", "qwen3_5-tiny"], True)):
         args = script.parse_args(flags)
-        script.resolve_prefix_reuse(args, no_trajectories, script.model_card(args))
+        script.resolve_prefix_reuse(args)
         assert args.prefix_reuse is want, flags
 
 
@@ -1145,7 +1141,7 @@ def test_memory_fit_counts_the_held_prompt(script):
     for reuse, held in (("auto", 16384), ("off", 0)):
         args = script.parse_args(["--model", "qwen3-4b", "--recompute", "selective", "--max-tokens", "20000",
                                   "--prefix-reuse", reuse])
-        script.resolve_prefix_reuse(args, SimpleNamespace(trajectories=None), script.model_card(args))
+        script.resolve_prefix_reuse(args)
         fit = script.fit_within(args, [group], 1e15)
         want = MemoryModel.for_card("qwen3-4b").held_prompt_bytes(held, "selective")
         assert fit.estimate.parts.get("held prompt", 0) == want and (want > 0) == (reuse == "auto")
