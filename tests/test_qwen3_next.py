@@ -86,8 +86,9 @@ def test_the_launch_script_holds_a_long_group_s_prompt_state(tmp_path, capsys):
     rollouts.write_text(json.dumps(group) + "\n")
     steps = {}
     for reuse, how in (("auto", "prefix reuse (its prompt runs once)"), ("off", "sub-groups (each carries its prompt)")):
-        out, steps[reuse] = train_in_process(script, capsys, "--model", CARD, "--rollouts", rollouts, "--global-batch-size",
-                                             1, "--max-tokens", 48, "--steps", 1, "--loss", "grpo", "--prefix-reuse", reuse)
+        out, steps[reuse] = train_in_process(script, capsys, "--model", CARD, "--rollouts", rollouts, "--max-tokens", 48,
+                                             "--global-batch-size", 1, "--steps", 1, "--loss", "grpo",
+                                             "--prefix-reuse", reuse)
         assert f"in 2 micro-batches, as {how}" in out and list(steps[reuse]) == [1]
     assert number(steps["auto"][1], "margin") == pytest.approx(number(steps["off"][1], "margin"), abs=1e-5)
 

@@ -227,7 +227,8 @@ def _after_held_tail(conv_input: Tensor, tail: Tensor, layout: PrefixedLayout, w
     fewer in a shorter prompt: zeros before them, as before any root), and the layout in which that
     tail is the root of every segment, so each window reaches back into the prompt."""
     if layout.num_groups != 1:
-        raise ValueError(f"DualKVGatedDeltaNet: prefix reuse holds one prompt, got a PrefixedLayout of {layout.num_groups}")
+        raise ValueError("DualKVGatedDeltaNet: prefix reuse holds one prompt, got a PrefixedLayout of "
+                         f"{layout.num_groups}")
     carry = width - 1
     rows = torch.cat([tail.new_zeros(carry - len(tail), tail.shape[1]), tail, conv_input]) if carry else conv_input
     return rows, layout.derived(("gdn_held_tail", carry), lambda: _under_a_root(layout, carry))

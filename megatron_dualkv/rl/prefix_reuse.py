@@ -21,8 +21,8 @@ Megatron's schedule, micro-batches in order):
 3. when the last part's backward has finished, the prompt's backward runs once: from its last
    hidden state with the accumulated gradient, while each layer's held tensors (``HeldKV``,
    ``HeldState``: identities on the prompt's graph) add the accumulated gradient of their held
-   copies to what the prompt's own layer sends back. The held copies are dropped when it starts, and each layer's accumulated
-   gradient once its layer has used it.
+   copies to what the prompt's own layer sends back. The held copies are dropped when it starts,
+   and each layer's accumulated gradient once its layer has used it.
 
 With ``prefix_reuse_prompt_on_host`` in the model's config, what the prompt's forward saves for
 its backward (every layer's input under full recompute) waits in page-locked host memory through
