@@ -528,3 +528,13 @@ def test_memory_model_with_the_prompt_on_the_host():
     with pytest.raises(ValueError, match=r"the held prompt's activations need .* GiB of pinned host memory with full "
                                          r"recompute, over the host budget of"):
         memory.fit(**fits, host_budget_bytes=on_host.host - 1)
+
+
+def test_a_gated_deltanet_layer_reads_one_held_prompt():
+    """Prefix reuse holds one prompt per step: a part with two groups' prompts is refused by name."""
+    from megatron_dualkv.layout import PrefixedLayout
+    from megatron_dualkv.mcore.gated_delta_net import _after_held_tail
+
+    two = PrefixedLayout((4, 5), ((2,), (3,)))
+    with pytest.raises(ValueError, match="prefix reuse holds one prompt, got a PrefixedLayout of 2"):
+        _after_held_tail(torch.zeros(5, 3), torch.zeros(3, 3), two, 4)
