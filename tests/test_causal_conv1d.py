@@ -188,6 +188,17 @@ def test_the_kernels_backward_is_bitwise_reproducible():
         assert torch.equal(a, b)
 
 
+def test_float64_takes_the_exact_path():
+    """The kernels accumulate in float32: float64 runs the gather + conv1d path by default (on a GPU
+    too: exact to float64 rounding), and asking for the kernels is refused by name."""
+    layout = DualKVLayout((5,), ((3, 2),)).to(DEVICE)
+    x, weight, bias = (t.detach().to(DEVICE) for t in _inputs(layout.total_tokens, 37, 4, seed=9))
+    torch.testing.assert_close(causal_conv1d_func(x, weight, layout, bias, "silu"),
+                               causal_conv1d_reference(x, weight, layout, bias, "silu"), rtol=1e-13, atol=1e-13)
+    with pytest.raises(ValueError, match="the kernels accumulate in float32; float64 runs the gather"):
+        causal_conv1d_func(x, weight, layout, bias, "silu", use_kernel=True)
+
+
 def test_the_kernels_refuse_a_width_they_do_not_take():
     layout = DualKVLayout((3,), ((2,),))
     x, weight, _ = _inputs(layout.total_tokens, 2, 9)

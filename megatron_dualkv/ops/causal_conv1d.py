@@ -67,10 +67,14 @@ def causal_conv1d_func(
     segment laid out after its K-1 carried-in rows (the last inputs of its path, zeros before a
     root), so a valid convolution over that extended sequence gives each own token the window it
     has alone, and the rows in front of each segment absorb the windows that would straddle two.
+    The kernels accumulate in float32, so float64 takes that path (use_kernel=True refuses it).
     """
     _check_inputs(x, weight, layout, bias, activation)
     width = weight.shape[1]
-    if use_triton(x.device, use_kernel):
+    if x.dtype == torch.float64 and use_kernel:
+        raise ValueError("causal_conv1d_func: the kernels accumulate in float32; float64 runs the gather + conv1d "
+                         "path (use_kernel=None or False)")
+    if use_triton(x.device, use_kernel) and x.dtype != torch.float64:
         if width > MAX_KERNEL_WIDTH:
             raise ValueError(f"causal_conv1d_func: the kernels take widths up to {MAX_KERNEL_WIDTH}, got {width}; "
                              "pass use_kernel=False")
