@@ -433,10 +433,12 @@ def test_planned_tree_step_equals_the_one_micro_batch_step(model):
         torch.testing.assert_close(grad, results[0][1][name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("recompute", [None, "selective", "full"])
-def test_prompt_activations_on_the_host_give_the_same_step(monkeypatch, recompute):
+@pytest.mark.parametrize("card, recompute", [("qwen3-tiny", None), ("qwen3-tiny", "selective"), ("qwen3-tiny", "full"),
+                                             ("qwen3_5-tiny", "selective")])
+def test_prompt_activations_on_the_host_give_the_same_step(monkeypatch, card, recompute):
     """``prefix_reuse_prompt_on_host``: the prompt's forward saves into the host stash (the parts'
-    forwards do not), parameters stay where they are, and the step is still the one-micro-batch step."""
+    forwards do not), parameters stay where they are, and the step is still the one-micro-batch step
+    (on the hybrid card, with the GDN layers' held state and tail on the GPU beside it)."""
     from megatron_dualkv.rl import prefix_reuse
     from megatron_dualkv.rl.host_stash import HostStash
 
@@ -444,7 +446,7 @@ def test_prompt_activations_on_the_host_give_the_same_step(monkeypatch, recomput
     real = stash._pack
     monkeypatch.setattr(stash, "_pack", lambda t: packed.append(t) or real(t))
     monkeypatch.setattr(prefix_reuse, "host_stash", lambda: stash)
-    model = build_model("qwen3-tiny", recompute=recompute, prefix_reuse_prompt_on_host=True).double()
+    model = build_model(card, recompute=recompute, prefix_reuse_prompt_on_host=True).double()
     assert_equal_steps(model, "grpo", PARTS)
     params = [t for t in packed if isinstance(t, torch.nn.Parameter)]
     assert len(params) < len(packed) and len(stash.slabs) > 1
