@@ -15,7 +15,7 @@ from megatron_dualkv.models.builder import FAMILIES, uses_transformer_engine
 from megatron_dualkv.planner import CostModel, gated_delta_net_token_flops
 from megatron_dualkv.rl import GRPOLoss, forward_backward
 from rollouts import rl_micro_batches
-from test_examples import ROOT, SCRIPT, load, number, train_in_process
+from test_examples import AGENT_EPISODES, ROOT, SCRIPT, load, number, train_in_process
 
 CARD = "qwen3_5-tiny"
 SHAPES = [[(6, [4, 1, 5]), (2, [3])]]
@@ -91,6 +91,20 @@ def test_the_launch_script_holds_a_long_group_s_prompt_state(tmp_path, capsys):
                                              "--prefix-reuse", reuse)
         assert f"in 2 micro-batches, as {how}" in out and list(steps[reuse]) == [1]
     assert number(steps["auto"][1], "margin") == pytest.approx(number(steps["off"][1], "margin"), abs=1e-5)
+
+
+def test_the_launch_script_holds_the_shared_paths_of_split_trees(capsys):
+    """Agent episodes over --max-tokens: each tree's shared path runs once and hands its parts the
+    GDN layers' state and conv tail (--prefix-reuse on), or each part carries its path (off)."""
+    script = load(SCRIPT, "grpo_policy_update")
+    runs = {}
+    for reuse, how in (("on", "prefix reuse (its shared path runs once)"), ("off", "parts (each carries its path)")):
+        out, steps = train_in_process(script, capsys, "--model", CARD, "--rollouts", AGENT_EPISODES, "--loss", "dapo",
+                                      "--global-batch-size", 2, "--steps", 1, "--max-tokens", 300, "--prefix-reuse", reuse)
+        assert f"plan: 2 groups over --max-tokens 300 in 4 micro-batches, as {how}" in out
+        runs[reuse] = steps[1]
+    for key in ("loss", "margin", "ratio"):
+        assert number(runs["on"], key) == pytest.approx(number(runs["off"], key), rel=1e-4, abs=1e-6), key
 
 
 def test_bad_settings_name_what_is_wrong():
