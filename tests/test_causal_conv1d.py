@@ -199,6 +199,13 @@ def test_float64_takes_the_exact_path():
         causal_conv1d_func(x, weight, layout, bias, "silu", use_kernel=True)
 
 
+def test_a_weight_on_another_device_is_named():
+    layout = DualKVLayout((3,), ((2,),))
+    x, weight, bias = _inputs(layout.total_tokens, 2, 4)
+    with pytest.raises(ValueError, match=r"x is on cpu, weight on meta, bias on cpu: one device"):
+        causal_conv1d_func(x, weight.to("meta"), layout, bias)
+
+
 def test_the_kernels_refuse_a_width_they_do_not_take():
     layout = DualKVLayout((3,), ((2,),))
     x, weight, _ = _inputs(layout.total_tokens, 2, 9)

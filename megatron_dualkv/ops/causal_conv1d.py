@@ -358,3 +358,6 @@ def _check_inputs(x, weight, layout, bias, activation) -> None:
         raise ValueError(f"bias must be (channels,) = ({x.shape[1]},), got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(a for a in ACTIVATIONS if a)} or None, got {activation!r}")
+    if any(t is not None and t.device != x.device for t in (weight, bias)):
+        raise ValueError(f"x is on {x.device}, weight on {weight.device}"
+                         + ("" if bias is None else f", bias on {bias.device}") + ": one device")
