@@ -108,6 +108,15 @@ def _conv_fwd_kernel(X, W, B, TAPS, Y, T, C, K: tl.constexpr, HAS_BIAS: tl.const
 
 
 @triton.jit
+def _tap(X, TAPS, rows, cols, in_rows, in_cols, C, j, K: tl.constexpr):
+    """x[taps[t, j], c] of the tile's rows t in float32, zero where the tap is before the root."""
+    src = tl.load(TAPS + rows.to(tl.int64) * K + j, mask=in_rows, other=-1)
+    x = tl.load(X + src.to(tl.int64)[:, None] * C + cols[None, :], mask=(src >= 0)[:, None] & in_cols[None, :],
+                other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _pre_activation(X, W, B, TAPS, rows, cols, T, C, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
                     BC: tl.constexpr):
     in_rows, in_cols = rows < T, cols < C
@@ -115,11 +124,8 @@ def _pre_activation(X, W, B, TAPS, rows, cols, T, C, K: tl.constexpr, HAS_BIAS: 
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=in_cols, other=0.0).to(tl.float32)[None, :]
     for j in tl.static_range(K):  # unrolled: the K row gathers can be in flight together
-        src = tl.load(TAPS + rows.to(tl.int64) * K + j, mask=in_rows, other=-1)
         w = tl.load(W + cols * K + j, mask=in_cols, other=0.0).to(tl.float32)
-        x = tl.load(X + src.to(tl.int64)[:, None] * C + cols[None, :], mask=(src >= 0)[:, None] & in_cols[None, :],
-                    other=0.0)
-        acc += w[None, :] * x.to(tl.float32)
+        acc += w[None, :] * _tap(X, TAPS, rows, cols, in_rows, in_cols, C, j, K)
     return acc
 
 
@@ -143,11 +149,9 @@ def _conv_bwd_dpre_kernel(X, W, B, TAPS, DY, DPRE, DW_PART, DB_PART, T, C, K: tl
         dpre = dpre * s * (1 + pre * (1 - s))
     tl.store(DPRE + offsets, dpre, mask=inside)
     part = block.to(tl.int64) * K * C
-    for j in tl.static_range(K):
-        src = tl.load(TAPS + rows.to(tl.int64) * K + j, mask=in_rows, other=-1)
-        x = tl.load(X + src.to(tl.int64)[:, None] * C + cols[None, :], mask=(src >= 0)[:, None] & in_cols[None, :],
-                    other=0.0)
-        tl.store(DW_PART + part + j * C + cols, tl.sum(dpre * x.to(tl.float32), 0), mask=in_cols)
+    for j in tl.static_range(K):  # the taps again: cache hits of the loads above
+        tl.store(DW_PART + part + j * C + cols, tl.sum(dpre * _tap(X, TAPS, rows, cols, in_rows, in_cols, C, j, K), 0),
+                 mask=in_cols)
     if HAS_BIAS:
         tl.store(DB_PART + block.to(tl.int64) * C + cols, tl.sum(dpre, 0), mask=in_cols)
 
@@ -206,13 +210,8 @@ class _TapTable:
     @classmethod
     def build(cls, layout: PackedLayout, width: int, device) -> "_TapTable":
         tokens = layout.total_tokens
-        taps = torch.full((tokens, width), -1, dtype=torch.int64)
-        for node in layout.nodes:
-            tail = _path_tail(node, width - 1)
-            window = torch.tensor([-1] * (width - 1 - len(tail)) + tail + list(range(node.start, node.start + node.length)),
-                                  dtype=torch.int64)
-            # own token i's window is window[i : i + K]
-            taps[node.start:node.start + node.length] = window.unfold(0, width, 1)
+        source, starts = _extended_rows(layout, width - 1)
+        taps = source[starts[:, None] + torch.arange(width)]  # (T, K): each token's window
         flat = taps.flatten()
         reader = torch.arange(flat.numel())
         near = flat == reader // width + reader % width - (width - 1)
@@ -322,18 +321,22 @@ class _ExtendedLayout:
 
     @classmethod
     def build(cls, layout: PackedLayout, width: int, device) -> "_ExtendedLayout":
-        carry = width - 1
-        source: List[int] = []
-        outputs: List[int] = []
-        for node in layout.nodes:
-            tail = _path_tail(node, carry)
-            # a valid convolution's row i reads extended rows i .. i + K-1: the block's first own token
-            # is output at the block's start
-            outputs.extend(range(len(source), len(source) + node.length))
-            source.extend([-1] * (carry - len(tail)) + tail + list(range(node.start, node.start + node.length)))
-        source_rows = torch.tensor(source, dtype=torch.int64, device=device)
-        return cls(RowGatherPlan.build(source_rows, layout.total_tokens),
-                   torch.tensor(outputs, dtype=torch.int64, device=device))
+        source, outputs = _extended_rows(layout, width - 1)
+        return cls(RowGatherPlan.build(source.to(device), layout.total_tokens), outputs.to(device))
+
+
+def _extended_rows(layout: PackedLayout, carry: int) -> Tuple[Tensor, Tensor]:
+    """Every segment laid out after its ``carry`` carried-in rows: (the packed row each extended row
+    reads, -1 for a zero before a root; per own token, the extended row its window starts at). A
+    valid convolution's row i reads extended rows i .. i + carry, so token i's window starts where
+    its output row is."""
+    source: List[int] = []
+    starts: List[int] = []
+    for node in layout.nodes:
+        tail = _path_tail(node, carry)
+        starts.extend(range(len(source), len(source) + node.length))
+        source.extend([-1] * (carry - len(tail)) + tail + list(range(node.start, node.start + node.length)))
+    return torch.tensor(source, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64)
 
 
 def _path_tail(node, count: int) -> list:
