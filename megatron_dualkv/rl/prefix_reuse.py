@@ -113,14 +113,15 @@ class HeldPrompt:
         copy_both = not (self.requires_grad and torch.is_grad_enabled() and not self.on_host)
         return HeldKV.apply(self, layer, (copy_key or copy_both, copy_both), key, value)
 
-    def keep(self, layer: int, key: Tensor, value: Tensor, copies: Tuple[bool, bool]) -> None:
-        """Hold the prompt rows of ``key``/``value`` [t, heads, d], each a copy or a view as
-        ``copies`` says (first forward only: a recompute of the layer in the prompt's backward
-        computes the same values)."""
+    def keep(self, layer: int, tensors: Tuple[Tensor, Tensor], rows: Tuple[slice, slice],
+             copies: Tuple[bool, bool]) -> None:
+        """Hold ``rows`` of ``layer``'s two tensors of the prompt (an attention layer's k and v, a GDN
+        layer's conv input and final state), each a copy or a view as ``copies`` says (first forward
+        only: a recompute of the layer in the prompt's backward computes the same values). A view is
+        of the detached tensor, so it has a base (``_free_held_copies`` frees only copies)."""
         if not self.holding or layer in self.kv:
             return
-        rows = slice(0, self.prompt_len)
-        held = [x.detach()[rows].clone() if copy else x.detach()[rows] for x, copy in zip((key, value), copies)]
+        held = [x.detach()[r].clone() if copy else x.detach()[r] for x, r, copy in zip(tensors, rows, copies)]
         self.kv[layer] = tuple(x.requires_grad_(self.requires_grad) for x in held)
 
     def hold_state(self, layer: int, output: Tensor, conv_input: Tensor, final_state: Tensor, width: int) -> Tensor:
@@ -129,10 +130,6 @@ class HeldPrompt:
         and of its ``final_state`` [heads, Dk, Dv] (both small: always copies)."""
         tail = slice(max(0, self.prompt_len - (width - 1)), self.prompt_len)
         return HeldState.apply(self, layer, tail, output, conv_input, final_state)
-
-    def keep_state(self, layer: int, tail: Tensor, final_state: Tensor) -> None:
-        if self.holding and layer not in self.kv:
-            self.kv[layer] = tuple(x.detach().clone().requires_grad_(self.requires_grad) for x in (tail, final_state))
 
     def pop_gradients(self, layer: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """What the parts accumulated in ``layer``'s held tensors, handed out once."""
@@ -192,7 +189,8 @@ class HeldKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, held: HeldPrompt, layer: int, copies: Tuple[bool, bool], key: Tensor, value: Tensor):
-        held.keep(layer, key, value, copies)
+        rows = slice(0, held.prompt_len)
+        held.keep(layer, (key, value), (rows, rows), copies)
         ctx.held, ctx.layer = held, layer
         return key.view_as(key), value.view_as(value)
 
@@ -210,7 +208,7 @@ class HeldState(torch.autograd.Function):
     @staticmethod
     def forward(ctx, held: HeldPrompt, layer: int, tail: slice, output: Tensor, conv_input: Tensor,
                 final_state: Tensor):
-        held.keep_state(layer, conv_input[tail], final_state)
+        held.keep(layer, (conv_input, final_state), (tail, slice(None)), (True, True))
         ctx.held, ctx.layer, ctx.tail = held, layer, tail
         ctx.conv_shape, ctx.conv_dtype = conv_input.shape, conv_input.dtype
         return output.view_as(output)
