@@ -222,7 +222,7 @@ def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:
     return _rows_layout(seq, batch, torch.device(device))
 
 
-def _after_held_tail(conv_input: Tensor, tail: Tensor, layout: PrefixedLayout, width: int) -> Tuple[Tensor, TreeLayout]:
+def _after_held_tail(conv_input: Tensor, tail: Tensor, layout: PrefixedLayout, width: int) -> Tuple[Tensor, PackedLayout]:
     """A prefix-reuse part's conv input after its prompt's held last inputs ``tail`` (K-1 rows,
     fewer in a shorter prompt: zeros before them, as before any root), and the layout in which that
     tail is the root of every segment, so each window reaches back into the prompt."""
@@ -230,14 +230,14 @@ def _after_held_tail(conv_input: Tensor, tail: Tensor, layout: PrefixedLayout, w
         raise ValueError("DualKVGatedDeltaNet: prefix reuse holds one prompt, got a PrefixedLayout of "
                          f"{layout.num_groups}")
     carry = width - 1
-    rows = torch.cat([tail.new_zeros(carry - len(tail), tail.shape[1]), tail, conv_input]) if carry else conv_input
+    if not carry:
+        return conv_input, layout
+    rows = torch.cat([tail.new_zeros(carry - len(tail), tail.shape[1]), tail, conv_input])
     return rows, layout.derived(("gdn_held_tail", carry), lambda: _under_a_root(layout, carry))
 
 
-def _under_a_root(layout: PackedLayout, length: int) -> PackedLayout:
+def _under_a_root(layout: PackedLayout, length: int) -> TreeLayout:
     """``layout``'s segments (padding included) under one new root segment of ``length`` tokens."""
-    if not length:
-        return layout
     lens = (length, *(node.length for node in layout.nodes))
     parents = (-1, *(node.parent + 1 if node.parent >= 0 else 0 for node in layout.nodes))
     return TreeLayout(lens, parents, device=layout.device)
