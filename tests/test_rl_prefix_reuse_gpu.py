@@ -9,8 +9,9 @@ from flash_check import assert_within_twice_the_reference_error
 from megatron_dualkv import pack_groups
 from megatron_dualkv.mcore.gated_delta_net import DualKVGatedDeltaNet
 from megatron_dualkv.models import build_model
-from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward, pack_prefix_reuse
+from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, pack_prefix_reuse
 from rollouts import make_groups
+from test_rl_prefix_reuse import step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -18,11 +19,10 @@ SHAPE, PARTS = (300, [60, 1, 90, 3, 45]), [[0, 1], [2], [3, 4]]
 
 
 def _step(model, micro_batches, normalizer):
-    model.zero_grad(set_to_none=True)
-    outputs = forward_backward(model, micro_batches, GRPOLoss(normalizer=normalizer))
-    grads = {name: p.grad.detach().cpu().double() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return torch.cat([lp.detach().cpu().double() for out in outputs for lp in out.logprobs[0]]), grads
+    """``step``'s log-probs (the group's responses in the micro-batches' order) and gradients, float64 on the CPU."""
+    outputs, grads = step(model, micro_batches, GRPOLoss(normalizer=normalizer))
+    return (torch.cat([lp.detach().cpu().double() for out in outputs for lp in out.logprobs[0]]),
+            {name: grad.cpu().double() for name, grad in grads.items()})
 
 
 @pytest.mark.parametrize("card", ["qwen3-tiny", "qwen3_5-tiny"])
