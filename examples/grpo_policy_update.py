@@ -470,12 +470,17 @@ def packed_sizes(groups: List[Rollout]) -> Tuple[int, int, float]:
             predicted / sum(batch.num_tokens for batch in batches))
 
 
-def resolve_prefix_reuse(args: argparse.Namespace) -> None:
-    """--prefix-reuse as a bool in ``args``: auto is on where prefix reuse runs (``rl.prefix_reuse``),
-    on where it does not is an error naming what is in the way."""
-    unsupported = [what for bad, what in (
+def prefix_reuse_blockers(args: argparse.Namespace) -> List[str]:
+    """What keeps prefix reuse (``rl.prefix_reuse``) from running with these flags, as flags name it."""
+    return [what for bad, what in (
         (args.layout != "packed", f"--layout {args.layout}"),
         (_transformer_engine(args), "the Transformer Engine spec")) if bad]
+
+
+def resolve_prefix_reuse(args: argparse.Namespace) -> None:
+    """--prefix-reuse as a bool in ``args``: auto is on where prefix reuse runs, on where it does not
+    is an error naming what is in the way (``prefix_reuse_blockers``)."""
+    unsupported = prefix_reuse_blockers(args)
     if args.prefix_reuse == "on" and unsupported:
         raise InputError(f"--prefix-reuse on does not run with {', '.join(unsupported)} yet; use --prefix-reuse off")
     args.prefix_reuse = args.prefix_reuse != "off" and not unsupported
@@ -503,8 +508,12 @@ def plan_summary(args: argparse.Namespace, groups: List[Rollout], dp_size: int, 
     else:  # some split groups hold no prompt or path (a tree trained from its first tokens)
         how = "; ".join(f"{by_way[way]} as {ways[way]}" for way in (True, False))
     groups_over = f"{len(split)} group{'s' * (len(split) > 1)}"
-    return (f"plan: {groups_over} over --max-tokens {args.max_tokens:,} in {sum(counts[key] for key in split)} "
+    line = (f"plan: {groups_over} over --max-tokens {args.max_tokens:,} in {sum(counts[key] for key in split)} "
             f"micro-batches, {how}")
+    if by_way[False] and args.layout == "packed" and prefix_reuse_blockers(args):
+        # the user runs the slower split without having asked for it: say what would hold the prompt
+        line += "; prefix reuse does not run on the Transformer Engine spec yet (--transformer-engine off runs it)"
+    return line
 
 
 def check_token_budget(args: argparse.Namespace, groups: List[Rollout]) -> None:

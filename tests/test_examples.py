@@ -1074,6 +1074,19 @@ def test_the_plan_line_names_each_way_split_trees_run(script):
                     "once); 1 as parts (each carries its path)"), line
 
 
+def test_the_plan_line_says_when_the_te_spec_keeps_a_split_group_from_prefix_reuse(script, monkeypatch):
+    """--prefix-reuse auto on the Transformer Engine spec splits a long group into sub-groups: the
+    plan line says that prefix reuse would hold its prompt, and how to get it."""
+    group = RolloutGroup([1] * 40, [[2] * 10] * 4, rewards=[0.0, 1.0, 0.0, 1.0])
+    hint = "; prefix reuse does not run on the Transformer Engine spec yet (--transformer-engine off runs it)"
+    for te, want in ((False, "as prefix reuse (its prompt runs once)"), (True, "as sub-groups (each carries its prompt)" + hint)):
+        monkeypatch.setattr(script, "_transformer_engine", lambda args, card=None, te=te: te)
+        args = script.parse_args(["--max-tokens", "60", "--global-batch-size", "1"])
+        script.resolve_prefix_reuse(args)
+        line = script.plan_summary(args, [group], 1, 0.0)
+        assert line.startswith("plan: 1 group over --max-tokens 60 in ") and line.endswith(want), line
+
+
 def test_memory_fit_counts_the_held_path_of_split_trees(script):
     """A tree over --max-tokens holds its shared path with prefix reuse: ``held_prompt`` is its length."""
     rollouts = read_rollouts(AGENT_EPISODES, 256, ROOT / "examples" / "data" / "tokenizer.model")
