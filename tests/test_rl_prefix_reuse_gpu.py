@@ -7,10 +7,9 @@ import torch
 
 from flash_check import assert_within_twice_the_reference_error
 from megatron_dualkv import pack_groups
-from megatron_dualkv.mcore.gated_delta_net import DualKVGatedDeltaNet
-from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, pack_prefix_reuse
 from rollouts import make_groups
+from test_qwen3_next_gpu import bf16_model_and_exact_copy
 from test_rl_prefix_reuse import step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -27,17 +26,7 @@ def _step(model, micro_batches, normalizer):
 
 @pytest.mark.parametrize("card", ["qwen3-tiny", "qwen3_5-tiny"])
 def test_parts_within_twice_the_whole_step_s_bf16_error(card):
-    model = build_model(card, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, DualKVGatedDeltaNet):
-                # a slow decay (about 1% a token), so that the prompt's state reaches far into each
-                # response: at the initialisation's (up to 16) it fades within a few tokens, and a
-                # wrong hand-off would hide under bf16 rounding
-                module.A_log.fill_(-4.0)
-    exact = build_model(card).cpu().double()
-    exact.load_state_dict({name: value.cpu().double() if torch.is_tensor(value) and value.is_floating_point() else value
-                           for name, value in model.state_dict().items()})
+    model, exact = bf16_model_and_exact_copy(card)  # a slow decay: the prompt's state reaches far into each response
     group = make_groups([SHAPE], seed=3)[0]
     advantages = GRPOLoss().advantages([torch.tensor(group.rewards)])
     whole = [RLMicroBatch(pack_groups([group]), on_policy=True, advantages=advantages)]
