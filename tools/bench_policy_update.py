@@ -149,7 +149,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="comma list of dense, moe (layer slices) or of the --full-depth cards (default: all)")
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one step of each model at the first workload, in the first of --layouts "
-                             "(packed or replicated; kernel time table)")
+                             "(packed, reuse or replicated; kernel time table)")
     parser.add_argument("--memory-margin", type=float, default=None,
                         help="--full-depth: the share of GPU memory the settings leave free (as the launch script's flag)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
@@ -179,8 +179,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(margin_problem)
     if args.agent and (not args.full_depth or args.profile):
         parser.error("--agent runs whole models: pass --full-depth (and no --profile)")
-    if args.profile and args.layouts[0] == "reuse":
-        parser.error("--profile profiles the first of --layouts: packed or replicated, not reuse")
     if "reuse" in args.layouts and (not args.full_depth or args.agent):
         parser.error("--layouts reuse: prefix reuse runs with --full-depth on rollout groups (no --agent)")
     if args.replicated_sample and (not args.full_depth or args.agent or "replicated" not in args.layouts):
@@ -284,17 +282,21 @@ def free_memory() -> None:
 def run_steps(policy, group, layout: str, max_tokens: int, repeats: int):
     """A warm-up step (compilation, optimizer state, the fit probe), then ``repeats`` timed ones;
     ``group``: a RolloutGroup, or the step's trajectories; ``layout`` "reuse": packed with prefix reuse."""
-    loss_fn = policy_update.LOSSES["grpo"]
     rollouts = [group] if isinstance(group, RolloutGroup) else group
-    step_layout, reuse = ("packed", True) if layout == "reuse" else (layout, False)
-
-    def step(rollouts):
-        return policy_update.policy_update_step(policy, rollouts, loss_fn, max_tokens, step_layout, prefix_reuse=reuse)
-
-    warm = step(warm_up_group(group, max_tokens, policy) if isinstance(group, RolloutGroup) and not reuse else rollouts)
+    step = layout_step(policy, layout, max_tokens)
+    warm = step(warm_up_group(group, max_tokens, policy) if isinstance(group, RolloutGroup) and layout != "reuse"
+                else rollouts)
     # a long step's first figures, for a run cut off or out of memory in the timed ones
     print(f"  warm-up step: {warm.seconds:.4g} s, peak {warm.peak_memory_gib:.1f} GiB", flush=True)
     return [step(rollouts) for _ in range(repeats)]
+
+
+def layout_step(policy, layout: str, max_tokens: int):
+    """A GRPO step of some rollouts on ``layout`` ("reuse": packed with prefix reuse) within
+    ``max_tokens`` packed tokens a micro-batch."""
+    step_layout, reuse = ("packed", True) if layout == "reuse" else (layout, False)
+    return lambda rollouts: policy_update.policy_update_step(policy, rollouts, policy_update.LOSSES["grpo"], max_tokens,
+                                                             step_layout, prefix_reuse=reuse)
 
 
 def warm_up_group(group: RolloutGroup, max_tokens: int, policy) -> List[RolloutGroup]:
@@ -338,25 +340,23 @@ def measured(result: Result, k: int, steps, peak_tflops: float) -> Result:
 
 
 def profile_step(card, workload, args, layout: str, setting: Optional["Setting"] = None) -> None:
-    """Kernel-time table of one step in ``layout`` (packed or replicated, after two warm-up steps),
-    printed and written to the out folder; at ``setting`` (the micro-batch and recompute), else the
-    whole group in one micro-batch without recompute."""
+    """Kernel-time table of one step in ``layout`` (packed, reuse or replicated; after two warm-up
+    steps), printed and written to the out folder; at ``setting`` (the micro-batch, recompute and
+    where the held prompt's activations wait), else the whole group in one micro-batch without
+    recompute."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     n, p, r = workload
     responses = n if setting is None else setting.responses
-    recompute = () if setting is None else (setting.recompute, setting.recompute_layers)
+    recompute = () if setting is None else (setting.recompute, setting.recompute_layers, setting.prompt_on_host)
     policy = policy_update.build_policy(policy_args(card, args, *recompute))
     group = rollout_group(n, p, r, policy.vocab_size, seed=n)
-
-    def step():  # every layout plans by packed tokens (as bench_layout)
-        return policy_update.policy_update_step(policy, [group], policy_update.LOSSES["grpo"], p + responses * r, layout)
-
-    print("warm-up steps: " + ", ".join(f"{step().seconds:.4g} s" for _ in range(2)), flush=True)
+    step = layout_step(policy, layout, p + responses * r)  # every layout plans by packed tokens (as bench_layout)
+    print("warm-up steps: " + ", ".join(f"{step([group]).seconds:.4g} s" for _ in range(2)), flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        seconds = step().seconds
+        seconds = step([group]).seconds
     print(f"profiled step: {seconds:.4g} s", flush=True)
     device = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     if device:
