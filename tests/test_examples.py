@@ -691,7 +691,8 @@ def test_bench_profiles_a_step_in_the_first_layout(bench, tmp_path, monkeypatch,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget = ["--budget-gib", "0.0033"] if layout == "reuse" else []  # as the docstring's dry run: a part only
     bench.main(["--device", device, "--tiny", "--full-depth", "--models", "qwen3-tiny", "--profile", *budget,
-                "--layouts", f"{layout},packed", "--workloads", "4x96x24", "--out", str(tmp_path)])
+                "--layouts", f"{layout},{'packed' if layout == 'replicated' else 'replicated'}", "--workloads", "4x96x24",
+                "--out", str(tmp_path)])
     responses = 2 if layout == "reuse" else 4
     assert steps == [(96 + responses * 24, "packed" if layout == "reuse" else layout, layout == "reuse")] * 3
     assert (tmp_path / f"profile_qwen3-tiny_{layout}.txt").exists()
