@@ -18,7 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dualkv import CostModel, RolloutGroup, held_path_len, pack_groups, pack_trajectories, plan_micro_batches
+from megatron_dualkv import (CostModel, RolloutGroup, dualkv_attn_func, held_path_len, pack_groups, pack_trajectories,
+                             plan_micro_batches)
+from megatron_dualkv.layout import causal_pairs
 from megatron_dualkv.memory import GIB, MemoryModel
 from megatron_dualkv.models import build_model, load_model
 from megatron_dualkv.rl import ResponseTokens, RLMicroBatch, forward_backward, forward_logprobs, plan_mini_batches
@@ -1136,6 +1138,24 @@ def test_attention_bench_baselines_use_the_layouts_mask(window):
     assert trees["d128-tree-agent"]["replicated_tokens"] == 8 * (4096 + 4 * 1024)
     assert trees["d128-tree-search"]["segments"] == 1 + 84
     assert trees["d128-tree-16x8192x1024"]["tokens"] == 8192 + 16 * 1024
+
+
+def test_attention_bench_prefix_method_is_the_responses_rows_of_the_packed_call():
+    """tools/bench_attention.py's dualkv_prefix: the responses' rows against the prompt's K/V held
+    apart give the packed call's response rows (a small workload with a window, on the CPU), and its
+    FLOPs count the responses' pairs alone."""
+    attention = load(ROOT / "tools" / "bench_attention.py", "bench_attention")
+    w = attention.Workload("small", 3, 11, 7, 4, 2, 16, window=9)
+    layout = w.layout("cpu")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(layout.total_tokens, h, w.d, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    run, leaves = attention.method_fn("dualkv_prefix", w, layout, q, k, v)
+    torch.testing.assert_close(run(), dualkv_attn_func(q, k, v, layout, window_size=w.window)[w.p:])
+    assert len(leaves) == 5 and leaves[0].shape[0] == w.n * w.r and leaves[3].shape[0] == w.p
+    held = w.prefixed_layout("cpu")
+    assert held.attention_pairs(w.window) == layout.attention_pairs(w.window) - causal_pairs(w.p, w.window)
+    with pytest.raises(ValueError, match="depth-1"):
+        attention.method_fn("dualkv_prefix", attention.WORKLOADS[-1], layout, q, k, v)
 
 
 def test_prefix_reuse_on_names_what_is_in_the_way(script):

@@ -1,8 +1,8 @@
-"""DualKV attention benchmark: our kernels (default backend, and the Triton kernels alone) vs
-FlexAttention (same mask, packed layout; its Triton kernel, and FlashAttention-4 as its FLASH
-backend) vs PyTorch SDPA (cuDNN / flash / memory-efficient) and FlashAttention-4's own causal and
-varlen kernels on the replicated layout. FA4 (``flash-attn-4``) is optional: without it its rows
-say so.
+"""DualKV attention benchmark: our kernels (default backend, the Triton kernels alone, and prefix
+reuse's op with the prompt's K/V held apart) vs FlexAttention (same mask, packed layout; its Triton
+kernel, and FlashAttention-4 as its FLASH backend) vs PyTorch SDPA (cuDNN / flash /
+memory-efficient) and FlashAttention-4's own causal and varlen kernels on the replicated layout. FA4
+(``flash-attn-4``) is optional: without it its rows say so.
 
 Workloads: one prompt and N responses (depth 1), and prefix trees of trajectories (issue #31):
 agent episodes, a tree search, and depth 1 given as trajectories (``-tree-`` names), packed by
@@ -54,7 +54,8 @@ import torch.nn.functional as F
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [TOOLS, os.path.dirname(TOOLS)]  # the other tools, the package; also when imported by path
-from megatron_dualkv import DualKVLayout, PackedLayout, Trajectory, dualkv_attn_func, pack_trajectories  # noqa: E402
+from megatron_dualkv import (DualKVLayout, PackedLayout, PrefixedLayout, Trajectory, dualkv_attn_func,  # noqa: E402
+                             dualkv_prefix_attn_func, pack_trajectories)
 from megatron_dualkv.ops import dualkv_attn as kernels  # noqa: E402
 from megatron_dualkv.cli import ArgumentParser, exit_with_error  # noqa: E402
 from tool_args import comma_names  # noqa: E402  (tools/ is on sys.path when run as a script)
@@ -73,6 +74,10 @@ class Workload:
 
     def layout(self, device="cuda") -> DualKVLayout:
         return DualKVLayout((self.p,), ((self.r,) * self.n,)).to(device)
+
+    def prefixed_layout(self, device="cuda") -> PrefixedLayout:
+        """The N responses against their prompt's K/V held apart (prefix reuse's layout, one part)."""
+        return PrefixedLayout((self.p,), ((self.r,) * self.n,)).to(device)
 
     def replicated_index(self, device="cuda") -> torch.Tensor:
         """(N, P + R) packed index of each replicated sequence ``[P][R_i]``."""
@@ -139,10 +144,12 @@ TUNING_WORKLOADS = [
     Workload("tune-d256-4x8192x1024", 4, 8192, 1024, 16, 8, 256),
     Workload("tune-d512-4x4096x1024", 4, 4096, 1024, 32, 16, 512),
 ]
-# "dualkv": the default backend (native sm_90 kernels where they apply, else Triton); "dualkv_triton": Triton only
+# "dualkv": the default backend (native sm_90 kernels where they apply, else Triton); "dualkv_triton": Triton only;
+# "dualkv_prefix": prefix reuse's op (depth 1), the responses against the prompt's K/V held apart, its useful
+# pairs the responses' alone (the prompt's own forward is not in it)
 # "fa4_flex": FlexAttention's FLASH backend (FA4 with the block mask); "fa4_causal" / "fa4_varlen": FA4's
 # own kernels on the replicated layout, as a batch of equal-length sequences / concatenated with cu_seqlens
-METHODS = ["dualkv", "dualkv_triton", "flex", "fa4_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "fa4_causal",
+METHODS = ["dualkv", "dualkv_triton", "dualkv_prefix", "flex", "fa4_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "fa4_causal",
            "fa4_varlen"]
 TUNED_PASSES = ["fwd", "dq", "dkdv", "dkdv_window", "fused"]
 
@@ -214,6 +221,12 @@ def method_fn(method: str, w, layout: PackedLayout, q, k, v):
         backend = "auto" if method == "dualkv" else "triton"
         x = [t.clone().requires_grad_() for t in (q, k, v)]
         return (lambda: dualkv_attn_func(*x, layout, window_size=w.window, backend=backend)), x
+    if method == "dualkv_prefix":
+        if not isinstance(w, Workload):
+            raise ValueError("dualkv_prefix runs the depth-1 workloads (one prompt held apart)")
+        x = [t[w.p:].clone().requires_grad_() for t in (q, k, v)] + [t[:w.p].clone().requires_grad_() for t in (k, v)]
+        held = w.prefixed_layout(layout.device)
+        return (lambda: dualkv_prefix_attn_func(*x, held, window_size=w.window)), x
     if method in ("flex", "fa4_flex"):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -296,7 +309,8 @@ def measure(method: str, w: Workload):
     fwd_bwd()
     torch.cuda.synchronize()
     peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
-    flops = 4 * w.d * w.hq * layout.attention_pairs(w.window)
+    useful = w.prefixed_layout("cpu") if method == "dualkv_prefix" else layout
+    flops = 4 * w.d * w.hq * useful.attention_pairs(w.window)
     return dict(workload=w.name, method=method, fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms,
                 fwd_tflops=flops / fwd_ms / 1e9, fwd_bwd_tflops=3.5 * flops / fwd_bwd_ms / 1e9, peak_gib=peak_gib)
 
