@@ -42,10 +42,10 @@ on one H200 (the memory and cost models, 8% margin): at 16 x 65,536 x 2,048 the 
 with selective recompute and 33 layers recomputed whole, prefix reuse ranks parts of 1 response (32
 layers) first, 1.3e16 FLOPs a step each (25-30 s measured; the ranking counts FLOPs only, and the
 parts ran 0.84x as fast, their attention against the held prompt on the Triton kernels); the
-replicated layout 1.1e17 (minutes). At 16 x 131,072 x 4,096 a prefix-reuse part fits only with the prompt's saved activations on the host
-(``prefix_reuse_prompt_on_host``: parts of 8 responses, selective recompute and 33 layers whole,
-121 GiB, 62 GiB on the host), and the split
-takes 1.2e17 FLOPs a step, the replicated layout 4e17: measure those one layout per call, the
+replicated layout 1.1e17 (minutes). At 16 x 131,072 x 4,096 a prefix-reuse part fits only with
+the prompt's saved activations on the host (``prefix_reuse_prompt_on_host``: parts of 8 responses,
+selective recompute and 33 layers whole, 121 GiB, 62 GiB on the host), and the split takes 1.2e17
+FLOPs a step, the replicated layout 4e17: measure those one layout per call, the
 replicated one with ``--replicated-sample`` (its step extrapolated from its first one and two
 micro-batches, ``extrapolated_steps``; the row says so) where a step outlasts the run's time limit.
 A row's recompute says ", prompt on host" where it ran so.
