@@ -51,8 +51,7 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from ..layout import PackedLayout, PrefixedLayout, TreeLayout
-from ..ops.causal_conv1d import causal_conv1d_func
-from ..ops.checks import use_triton
+from ..ops.causal_conv1d import causal_conv1d_func, runs_kernels
 from ..ops.gated_delta_rule import gated_delta_rule_func
 from .recompute import Release, checkpoint_without_output
 
@@ -150,8 +149,9 @@ class DualKVGatedDeltaNet(MegatronModule):
             tail, initial_state = held.kv[self.layer_number]
             extended, conv_layout = _after_held_tail(conv_input, tail, layout, self.width)
         conv = functools.partial(causal_conv1d_func, weight=self.conv_weight, layout=conv_layout, activation="silu")
+        # the conv's kernels keep only their input, as the checkpoint would: nothing to recompute
         qkv, release_conv = checkpoint_without_output(conv, extended,
-                                                      enabled=self.recompute_conv and not use_triton(qkv.device))
+                                                      enabled=self.recompute_conv and not runs_kernels(extended))
         qkv = qkv[len(qkv) - seq * batch:]  # a part's own rows, after the held tail's
         q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
                               [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
@@ -222,7 +222,8 @@ def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:
     return _rows_layout(seq, batch, torch.device(device))
 
 
-def _after_held_tail(conv_input: Tensor, tail: Tensor, layout: PrefixedLayout, width: int) -> Tuple[Tensor, PackedLayout]:
+def _after_held_tail(conv_input: Tensor, tail: Tensor, layout: PrefixedLayout,
+                     width: int) -> Tuple[Tensor, PackedLayout]:
     """A prefix-reuse part's conv input after its prompt's held last inputs ``tail`` (K-1 rows,
     fewer in a shorter prompt: zeros before them, as before any root), and the layout in which that
     tail is the root of every segment, so each window reaches back into the prompt."""

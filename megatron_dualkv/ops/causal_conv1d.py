@@ -74,16 +74,23 @@ def causal_conv1d_func(
     if x.dtype == torch.float64 and use_kernel:
         raise ValueError("causal_conv1d_func: the kernels accumulate in float32; float64 runs the gather + conv1d "
                          "path (use_kernel=None or False)")
-    if use_triton(x.device, use_kernel) and x.dtype != torch.float64:
+    if runs_kernels(x, use_kernel):
         if width > MAX_KERNEL_WIDTH:
             raise ValueError(f"causal_conv1d_func: the kernels take widths up to {MAX_KERNEL_WIDTH}, got {width}; "
                              "pass use_kernel=False")
-        table = layout.derived(("causal_conv1d_taps", width, x.device), lambda: _TapTable.build(layout, width, x.device))
+        table = layout.derived(("causal_conv1d_taps", width, x.device),
+                               lambda: _TapTable.build(layout, width, x.device))
         return _CausalConv1d.apply(x, weight, bias, table, activation)
     plan = layout.derived(("causal_conv1d", width, x.device), lambda: _ExtendedLayout.build(layout, width, x.device))
     extended = GatherRows.apply(x, plan.gather)  # (T + S (K-1), C)
     y = F.conv1d(extended.T[None], weight[:, None, :], bias, groups=x.shape[1])[0].T
     return ACTIVATIONS[activation](y.index_select(0, plan.outputs))
+
+
+def runs_kernels(x: Tensor, use_kernel: Optional[bool] = None) -> bool:
+    """Whether ``causal_conv1d_func(x, ..., use_kernel=use_kernel)`` runs the Triton kernels, which
+    keep only x for the backward (the gather + ``conv1d`` path keeps its extended input)."""
+    return use_triton(x.device, use_kernel) and x.dtype != torch.float64
 
 
 MAX_KERNEL_WIDTH = 8
@@ -250,13 +257,15 @@ class _CausalConv1d(torch.autograd.Function):
         dy = dy.contiguous()
         blocks = triton.cdiv(tokens, DPRE_BLOCK_T)
         dpre = torch.empty(tokens, channels, device=x.device, dtype=torch.float32)
-        dw_part = torch.zeros(blocks, width, channels, device=x.device, dtype=torch.float32)
-        db_part = torch.zeros(blocks, channels, device=x.device, dtype=torch.float32)
+        # every block writes its whole (K, C) partial (its rows past T add zeros): nothing to zero
+        dw_part = torch.empty(blocks, width, channels, device=x.device, dtype=torch.float32)
+        db_part = torch.empty(blocks, channels, device=x.device, dtype=torch.float32) if bias is not None else dw_part
         dx = torch.empty_like(x)
         if tokens and channels:
             _conv_bwd_dpre_kernel[(blocks, triton.cdiv(channels, BLOCK_C))](
-                x, weight, bias if bias is not None else weight, table.taps, dy, dpre, dw_part, db_part, tokens, channels,
-                K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DPRE_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
+                x, weight, bias if bias is not None else weight, table.taps, dy, dpre, dw_part, db_part, tokens,
+                channels, K=width, HAS_BIAS=bias is not None, SILU=ctx.activation == "silu", BT=DPRE_BLOCK_T,
+                BC=BLOCK_C, num_warps=WARPS)
             _conv_bwd_dx_kernel[(triton.cdiv(tokens, DX_BLOCK_T), triton.cdiv(channels, BLOCK_C))](
                 weight, dpre, table.taps, table.far_start, table.far_readers, table.block_far, dx, tokens, channels,
                 K=width, BT=DX_BLOCK_T, BC=BLOCK_C, num_warps=WARPS)
