@@ -209,16 +209,15 @@ class HeldState(torch.autograd.Function):
     def forward(ctx, held: HeldPrompt, layer: int, tail: slice, output: Tensor, conv_input: Tensor,
                 final_state: Tensor):
         held.keep(layer, (conv_input, final_state), (tail, slice(None)), (True, True))
-        ctx.held, ctx.layer, ctx.tail = held, layer, tail
-        ctx.conv_shape, ctx.conv_dtype = conv_input.shape, conv_input.dtype
+        ctx.held, ctx.layer, ctx.tail, ctx.conv_shape = held, layer, tail, conv_input.shape
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
         tail_grad, state_grad = ctx.held.pop_gradients(ctx.layer)
         conv_grad = None
-        if tail_grad is not None:
-            conv_grad = tail_grad.new_zeros(ctx.conv_shape, dtype=ctx.conv_dtype)
+        if tail_grad is not None:  # a copy of the conv input's rows: its dtype
+            conv_grad = tail_grad.new_zeros(ctx.conv_shape)
             conv_grad[ctx.tail] = tail_grad
         return None, None, None, grad, conv_grad, state_grad
 
@@ -424,8 +423,8 @@ def _prompt_forward(model, prompt: SharedPrompt) -> HeldPrompt:
     layers = len(get_attr_wrapped_model(model, "decoder").layers)  # this pipeline stage's
     if len(held.kv) != layers:
         raise ValueError(f"prefix reuse: {len(held.kv)} of {layers} layers held their prompt's K/V or state; it "
-                         "needs DualKVAttention as every attention layer's core attention (the local layer spec, not "
-                         "Transformer Engine's)")
+                         "needs DualKVAttention as every attention layer's core attention (as the library's layer "
+                         "specs build them) and DualKVGatedDeltaNet as every Gated DeltaNet mixer")
     if held.on_last_stage:
         _hold_last_row(held, output, prompt.batch.num_tokens, get_attr_wrapped_model(model, "context_parallel_group"))
     else:
