@@ -60,7 +60,8 @@ SLOW_ON_GPU_TESTS = {
 # .ci/run's second pass, which puts another Megatron-Core in front, leaves them out (a third of the
 # suite's time). tests/test_suite_markers.py checks that importing them imports no Megatron.
 WITHOUT_MEGATRON_MODULES = {
-    "test_ab_native.py", "test_causal_conv1d.py", "test_causal_conv1d_gpu.py", "test_check_triton_compile.py", "test_chunk_state_scan.py",
+    "test_ab_native.py", "test_causal_conv1d.py", "test_causal_conv1d_gpu.py", "test_check_triton_compile.py",
+    "test_chunk_state_scan.py",
     "test_depth1_tables.py",
     "test_dualkv_attn.py", "test_dualkv_prefix_attn.py",
     "test_dualkv_attn_gpu.py", "test_dualkv_attn_sm90.py", "test_fa4_chains.py", "test_gated_delta_rule.py",

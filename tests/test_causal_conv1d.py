@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_dualkv.layout import DualKVLayout, TreeLayout
 from megatron_dualkv.ops.causal_conv1d import GatherRows, RowGatherPlan, causal_conv1d_func, causal_conv1d_reference
-from flash_check import DEVICE
+from flash_check import DEVICE, LOW, assert_within_twice_the_reference_error
 from strategies import layout_lengths, tree_lengths
 
 
@@ -162,8 +162,6 @@ def test_a_prompt_tail_read_by_every_response_gets_all_their_gradients():
 def test_the_kernels_in_low_precision_stay_within_twice_the_pytorch_error():
     """float16 on the interpreter (bf16 on a GPU): the kernels' output and gradients within 2x the
     gather + conv1d path's error at the same precision, both against float64."""
-    from flash_check import DEVICE, LOW, assert_within_twice_the_reference_error
-
     layout = DualKVLayout((9, 4), ((3, 1, 6), (2,)), pad_len=2).to(DEVICE)
     x, weight, bias = (t.detach().to(DEVICE) for t in _inputs(layout.total_tokens, 37, 4, seed=5))
     dout = torch.randn(layout.total_tokens, 37, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(DEVICE)

@@ -261,12 +261,18 @@ def test_two_gpus_take_the_one_gpu_ppo_updates(one_gpu_runs, dtype):
         assert number(got_updates[key], "ratio") == pytest.approx(number(fields, "ratio"), abs=tolerance), key
 
 
+def long_group(responses: int) -> dict:
+    """A token-id rollout group: a 20-token prompt and ``responses`` responses of 3, 4, ... tokens."""
+    return {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(responses)],
+            "rewards": [i % 2 for i in range(responses)]}
+
+
 def test_grpo_on_token_id_rollouts_splits_a_group_over_the_budget(tmp_path):
     """A group over --max-tokens: prefix reuse (the default where it runs) computes its prompt once,
     sub-groups (--prefix-reuse off) once each; the same steps either way, and at cp=2 and at pp=2."""
     rollouts = tmp_path / "ids.jsonl"
     groups = [  # 20 + 102 tokens: over a 64-token budget, so split
-        {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(12)], "rewards": [i % 2 for i in range(12)]},
+        long_group(12),
         {"prompt": [7, 8, 9], "responses": [[10, 11], [12]], "rewards": [1.0, 0.0]},
     ]
     rollouts.write_text("".join(json.dumps(g) + "\n" for g in groups))

@@ -15,7 +15,7 @@ from megatron_dualkv.models.builder import FAMILIES, uses_transformer_engine
 from megatron_dualkv.planner import CostModel, gated_delta_net_token_flops
 from megatron_dualkv.rl import GRPOLoss, forward_backward
 from rollouts import rl_micro_batches
-from test_examples import AGENT_EPISODES, ROOT, SCRIPT, load, number, train_in_process
+from test_examples import AGENT_EPISODES, ROOT, SCRIPT, load, long_group, number, train_in_process
 
 CARD = "qwen3_5-tiny"
 SHAPES = [[(6, [4, 1, 5]), (2, [3])]]
@@ -81,9 +81,7 @@ def test_the_launch_script_holds_a_long_group_s_prompt_state(tmp_path, capsys):
     the GDN layers' state and conv tail; the same step as sub-groups that each carry the prompt."""
     script = load(SCRIPT, "grpo_policy_update")
     rollouts = tmp_path / "ids.jsonl"
-    group = {"prompt": list(range(1, 21)), "responses": [[50 + i] * (3 + i) for i in range(8)],
-             "rewards": [i % 2 for i in range(8)]}
-    rollouts.write_text(json.dumps(group) + "\n")
+    rollouts.write_text(json.dumps(long_group(8)) + "\n")
     steps = {}
     for reuse, how in (("auto", "prefix reuse (its prompt runs once)"), ("off", "sub-groups (each carries its prompt)")):
         out, steps[reuse] = train_in_process(script, capsys, "--model", CARD, "--rollouts", rollouts, "--max-tokens", 48,

@@ -149,8 +149,8 @@ TUNING_WORKLOADS = [
 # pairs the responses' alone (the prompt's own forward is not in it)
 # "fa4_flex": FlexAttention's FLASH backend (FA4 with the block mask); "fa4_causal" / "fa4_varlen": FA4's
 # own kernels on the replicated layout, as a batch of equal-length sequences / concatenated with cu_seqlens
-METHODS = ["dualkv", "dualkv_triton", "dualkv_prefix", "flex", "fa4_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "fa4_causal",
-           "fa4_varlen"]
+METHODS = ["dualkv", "dualkv_triton", "dualkv_prefix", "flex", "fa4_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
+           "fa4_causal", "fa4_varlen"]
 TUNED_PASSES = ["fwd", "dq", "dkdv", "dkdv_window", "fused"]
 
 

@@ -1,10 +1,11 @@
 """Ops alone on the GPU, in bf16.
 
 ``--mode elementwise`` (default): Gemma's elementwise ops at Gemma-4-31B shapes, Qwen3-4B's q
-norm + RoPE and Qwen3.5-4B's short conv on a packed group, our Triton kernels against the PyTorch ops they replace (eager, and
-``torch.compile``'d), forward and forward+backward. For each op: median time and the bandwidth it
-reaches over the least traffic the op needs (its inputs read and its outputs written once per
-direction, in bf16), so a kernel far below the card's ~4.8 TB/s shows at once.
+norm + RoPE and Qwen3.5-4B's short conv on a packed group, our Triton kernels against the PyTorch
+ops they replace (eager, and ``torch.compile``'d), forward and forward+backward. For each op:
+median time and the bandwidth it reaches over the least traffic the op needs (its inputs read and
+its outputs written once per direction, in bf16), so a kernel far below the card's ~4.8 TB/s shows
+at once.
 
 ``--mode logprobs``: the response-token log-probs of one packed group from the final hidden states,
 Qwen3's and Gemma's vocabularies: ``all_logits`` (the output layer on every packed token, then the

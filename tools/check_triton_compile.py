@@ -150,8 +150,8 @@ def elementwise_cases(dtype: torch.dtype):
     conv_layout = DualKVLayout((9,), ((1, 4, 2),))
     conv_x = torch.randn(conv_layout.total_tokens, 300, dtype=dtype, requires_grad=True)
     for bias in (None, torch.randn(300, dtype=dtype, requires_grad=True)):
-        conv.causal_conv1d_func(conv_x, torch.randn(300, 4, dtype=dtype, requires_grad=True), conv_layout, bias, "silu",
-                           use_kernel=True).float().sum().backward()
+        conv.causal_conv1d_func(conv_x, torch.randn(300, 4, dtype=dtype, requires_grad=True), conv_layout, bias,
+                                "silu", use_kernel=True).float().sum().backward()
 
 
 def chunk_state_scan_case():
@@ -179,7 +179,8 @@ def cases(head_dims, dtypes):
         yield f"attention prefix D={d} {name} window=50 softcap=30.0", lambda d=d, dt=dtype: prefix_attention_case(
             d, dt, 50, 30.0)
     for name, dtype in dtypes.items():
-        yield f"rms_norm, rms_norm_rope, geglu, row_gather_sum, causal_conv1d {name}", lambda dt=dtype: elementwise_cases(dt)
+        yield (f"rms_norm, rms_norm_rope, geglu, row_gather_sum, causal_conv1d {name}",
+               lambda dt=dtype: elementwise_cases(dt))
     yield "chunk_state_scan fp32 Dk=128 Dv=128 L=64", chunk_state_scan_case
 
 
