@@ -569,11 +569,12 @@ class MemoryModel:
         return total
 
     def _held_state_bytes(self, element: int) -> float:
-        """A GDN layer's final state (fp32, per value head Dk x Dv) and K-1 rows of its conv input, on a rank."""
+        """A GDN layer's final state (fp32, per value head Dk x Dv) and K-1 rows of its conv input, on a
+        rank: its TP share of the heads, under Ulysses CP its share after the all-to-all."""
         config, gdn = self.config, _GatedDeltaNetWidths.of(self.config)
         state = gdn.value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
         tail = (config.linear_conv_kernel_dim - 1) * gdn.conv * element
-        return (state + tail) / self.sizes.tp
+        return (state + tail) / (self.sizes.tp * self.sizes.cp)
 
     def _held_kv_heads(self, layer) -> int:
         """The K/V heads whose prompt rows a rank holds: its TP share, under Ulysses CP its share

@@ -116,6 +116,8 @@ PARALLEL_RUNS = {
     "gemma3_cp2_selective": ParallelRun("gemma3-tiny", 2, dict(cp=2), recompute=dict(recompute="selective")),
     "moe_ep2_selective": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), recompute=dict(recompute="selective")),
     "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
+    "hybrid_tp2_sp_cp2": ParallelRun("qwen3_5-tiny", 4, dict(tp=2, sp=True, cp=2),
+                                     dict(linear_num_key_heads=4, linear_num_value_heads=8)),
     "moe_pp2_tp2": ParallelRun("qwen3-moe-tiny", 4, dict(pp=2, tp=2)),
     "moe_tp2_ep2_etp1_dp2": ParallelRun("qwen3-moe-tiny", 4, dict(tp=2, ep=2, etp=1)),
     # prefix trees of trajectories: TP with SP, CP (Ulysses over the tree layout), EP, PP with
@@ -131,6 +133,13 @@ PARALLEL_RUNS = {
     "hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True)),
     "hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2)),
     "hybrid_moe_ep2": ParallelRun("qwen3-next-tiny", 2, dict(ep=2)),  # with the gated shared expert
+    # Ulysses CP: each GDN layer runs its rank's key heads over the whole sequence, the conv, A_log
+    # and dt_bias on their rows, the gated norm on the rank's tokens; selective recompute
+    # recomputes the conv (on the CPU) and the gated norm after the all-to-all
+    "hybrid_cp2": ParallelRun("qwen3_5-tiny", 2, dict(cp=2)),
+    "hybrid_cp2_selective": ParallelRun("qwen3_5-tiny", 2, dict(cp=2), recompute=dict(recompute="selective")),
+    "hybrid_moe_cp2": ParallelRun("qwen3-next-tiny", 2, dict(cp=2)),
+    "trees_hybrid_cp2": ParallelRun("qwen3_5-tiny", 2, dict(cp=2), trees=True),
     # prefix reuse: every rank holds its heads' prompt K/V; the prompt's last hidden state's
     # gradient, one vocabulary shard's share per rank, is summed over TP in the prompt's backward
     # (all-gathered rows under SP, copied ones without)
@@ -164,6 +173,7 @@ PARALLEL_RUNS = {
     "reuse_hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True), reuse=True),
     "reuse_hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2), reuse=True),
     "reuse_hybrid_moe_ep2": ParallelRun("qwen3-next-tiny", 2, dict(ep=2), reuse=True),
+    "reuse_hybrid_cp2": ParallelRun("qwen3_5-tiny", 2, dict(cp=2), reuse=True),
     "reuse_dense_tp2_sp_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, sp=True, cp=2), reuse=True),
     # each TP rank's stages exchange its sequence-parallel shard of the prompt's hidden states, each
     # CP rank's its slice (the last stage's CP ranks then share out the prompt's last row)

@@ -200,6 +200,7 @@ TWO_GPU_RUNS = {
     "cp2": ("qwen3-tiny", "--cp", 2),
     "dp2": ("qwen3-tiny", "--use-distributed-optimizer"),
     "ep2": ("qwen3-moe-tiny", "--ep", 2),
+    "hybrid_cp2": ("qwen3_5-tiny", "--cp", 2),
 }
 
 

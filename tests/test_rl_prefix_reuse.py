@@ -255,6 +255,9 @@ def test_memory_model_counts_a_context_parallel_rank_s_held_heads():
 
     assert held(2) * 2 == held(1)
     assert held(2, num_query_groups=1) == held(1, num_query_groups=1)
+    # a GDN layer's state and conv tail, of its key heads' share (two key heads: one each)
+    hybrid = [MemoryModel.for_card("qwen3_5-tiny", ParallelSizes(cp=cp)).held_prompt_bytes(100, "none") for cp in (1, 2)]
+    assert hybrid[1] * 2 == hybrid[0]
 
 
 def test_a_layer_that_holds_nothing_is_named(monkeypatch):

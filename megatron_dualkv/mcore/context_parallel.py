@@ -20,6 +20,10 @@ replicated so that every rank receives the KV heads its query heads read; the re
 tensor parallelism when they get here (H = heads per TP rank), so TP composes: the TP and CP
 splits multiply.
 
+A Gated DeltaNet layer (``DualKVGatedDeltaNet``) uses the same two exchanges around its conv and
+delta rule (``tokens_to_heads``, ``heads_to_tokens``), and reads its rank's rows of its per-head
+parameters (``local_heads``).
+
 The parameters stay replicated over CP ranks and each rank's backward yields the gradient of its
 own tokens' share: Megatron's DDP sums them over the data x context parallel group.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,16 +97,37 @@ def ulysses_attention(
     attend(q, k, v): attention on the whole packed sequence, q [T, H/cp, D], k/v [T, Hkv'/cp, D]
     -> [T, H/cp, D]. Returns [T/cp, H*D].
     """
-    cp = group.size()
-    tokens, num_heads, head_dim = query.shape
-    replicas = kv_head_replication(num_heads, key.shape[1], cp)
+    replicas = kv_head_replication(query.shape[1], key.shape[1], group.size())
     if replicas > 1:
         key, value = key.repeat_interleave(replicas, dim=1), value.repeat_interleave(replicas, dim=1)
-    parts = (query, key, value)
-    # Per destination rank r: its H/cp query heads, then its key and value heads, in one row.
+    return heads_to_tokens(attend(*tokens_to_heads((query, key, value), group)), group)
+
+
+def tokens_to_heads(parts: Sequence[Tensor], group: dist.ProcessGroup) -> List[Tensor]:
+    """Sequence-split to head-split, in one all-to-all for all ``parts``.
+
+    parts: each [T/cp, heads_i, width_i], this rank's tokens, heads_i a multiple of cp.
+    Returns each as [T, heads_i/cp, width_i]: every token, this rank's contiguous share of the heads.
+    """
+    cp, tokens = group.size(), parts[0].shape[0]
+    for part in parts:
+        if part.shape[1] % cp:
+            raise ValueError(f"Ulysses context parallelism splits heads over cp={cp} ranks, got {part.shape[1]} heads")
+    # Per destination rank r: its share of each part's heads, in one row.
     outgoing = torch.cat([p.reshape(tokens, cp, -1) for p in parts], dim=2).reshape(tokens, -1)
     incoming = all_to_all_sp2hp(outgoing, group=group)
-    widths = [p.shape[1] // cp * head_dim for p in parts]
-    q, k, v = (x.reshape(x.shape[0], -1, head_dim) for x in incoming.split(widths, dim=1))
-    out = attend(q, k, v)
-    return all_to_all_hp2sp(out.reshape(out.shape[0], -1), group=group)
+    widths = [p.shape[1] // cp * p.shape[2] for p in parts]
+    return [x.reshape(x.shape[0], p.shape[1] // cp, p.shape[2]) for x, p in zip(incoming.split(widths, dim=1), parts)]
+
+
+def heads_to_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Head-split back to sequence-split: x [T, heads/cp, width] -> [T/cp, heads * width]."""
+    return all_to_all_hp2sp(x.reshape(x.shape[0], -1), group=group)
+
+
+def local_heads(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """This CP rank's contiguous share of a per-head tensor (rows grouped by head along dim 0), as
+    ``tokens_to_heads`` gives it that share of the heads; all of it without CP. A slice of a
+    parameter: its gradient lands in the rank's rows, and DDP's sum over the CP ranks fills them all."""
+    cp = context_parallel_size(group)
+    return tensor if cp == 1 else tensor.chunk(cp)[group.rank()]

@@ -30,6 +30,10 @@ per key head (its q and k rows, then the v, z, b and a rows of the value heads i
 contiguous split by tp gives each rank whole key heads with their value heads; the conv channels,
 ``A_log`` and ``dt_bias`` are split the same way, ``out_proj`` is row-parallel. The Hugging Face
 conversion reorders the rows (``models.qwen3_next``).
+
+Ulysses context parallelism (the params' ``cp_group``): the conv and delta rule need every token, so
+their inputs go from this rank's tokens to its share of the key heads over the whole sequence, and
+the output comes back before the gated norm (``mcore.context_parallel``).
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ from torch import Tensor
 from ..layout import PackedLayout, PrefixedLayout, TreeLayout
 from ..ops.causal_conv1d import causal_conv1d_func, runs_kernels
 from ..ops.gated_delta_rule import gated_delta_rule_func
+from .context_parallel import context_parallel_size, heads_to_tokens, local_heads, local_tokens, tokens_to_heads
 from .recompute import Release, checkpoint_without_output
 
 # the parameters of the module itself that tensor parallelism splits along dim 0 (per value/conv channel)
@@ -141,38 +146,48 @@ class DualKVGatedDeltaNet(MegatronModule):
         qkv, z, b, a = torch.split(
             tokens, [self.conv_group_channels, self.values_per_key * self.value_dim, self.values_per_key,
                      self.values_per_key], dim=-1)
-        conv_input = qkv.reshape(seq * batch, -1)
+        cp_group = getattr(packed_seq_params, "cp_group", None)
+        if context_parallel_size(cp_group) > 1:
+            # the recurrence needs every token: this rank's key heads over the whole sequence (the
+            # gate z stays with the tokens, for the gated norm after the way back)
+            qkv, b, a = tokens_to_heads((qkv, b, a), cp_group)
+        conv_input = qkv.reshape(len(qkv), -1)
         held = getattr(packed_seq_params, "held_prompt", None)
         reads_held = held is not None and isinstance(layout, PrefixedLayout)
         conv_layout, initial_state, extended = layout, None, conv_input
         if reads_held:
             tail, initial_state = held.kv[self.layer_number]
             extended, conv_layout = _after_held_tail(conv_input, tail, layout, self.width)
-        conv = functools.partial(causal_conv1d_func, weight=self.conv_weight, layout=conv_layout, activation="silu")
+        conv = functools.partial(causal_conv1d_func, weight=local_heads(self.conv_weight, cp_group),
+                                 layout=conv_layout, activation="silu")
         # the conv's kernels keep only their input, as the checkpoint would: nothing to recompute
-        qkv, release_conv = checkpoint_without_output(conv, extended,
-                                                      enabled=self.recompute_conv and not runs_kernels(extended))
-        qkv = qkv[len(qkv) - seq * batch:]  # a part's own rows, after the held tail's
-        q, k, v = torch.split(qkv.view_as(tokens[..., :self.conv_group_channels]),
-                              [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
-        out, final_states = self._delta_rule(q, k, v, b, a, layout, initial_state)  # [T, local value heads, Dv]
+        conv_output, release_conv = checkpoint_without_output(
+            conv, extended, enabled=self.recompute_conv and not runs_kernels(extended))
+        conv_output = conv_output[len(extended) - len(conv_input):]  # a part's own rows, after the held tail's
+        q, k, v = torch.split(conv_output.view_as(qkv), [self.key_dim, self.key_dim, self.values_per_key * self.value_dim],
+                              dim=-1)
+        out, final_states = self._delta_rule(q, k, v, b, a, layout, initial_state, cp_group)  # [T, value heads, Dv]
         if held is not None and not reads_held:
             # the prompt's pass: its segment is the layout's first
             out = held.hold_state(self.layer_number, out, conv_input, final_states[0], self.width)
         release_conv(out)
-        normed, release_norm = self._gated_norm_kept_lean(out, z.reshape(out.shape), hidden_states.dtype)
+        if context_parallel_size(cp_group) > 1:
+            out = heads_to_tokens(out, cp_group)
+        normed, release_norm = self._gated_norm_kept_lean(out.view(z.shape[0], -1, self.value_dim),
+                                                          z.reshape(z.shape[0], -1, self.value_dim), hidden_states.dtype)
         output = self.out_proj(normed.view(batch, seq, -1).transpose(0, 1))
         if self.recompute_gated_norm:
             release_norm(output[0])
         return output
 
     def _delta_rule(self, q: Tensor, k: Tensor, v: Tensor, b: Tensor, a: Tensor, layout: PackedLayout,
-                    initial_state: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                    initial_state: Optional[Tensor], cp_group) -> Tuple[Tensor, Tensor]:
         """(output, every segment's final state). Each key head's q and k serve its value heads; beta
         and the log decay g in float32, as transformers computes them."""
         tokens = q.shape[0]
+        a_log, dt_bias = (local_heads(p, cp_group).float() for p in (self.A_log, self.dt_bias))
         beta = b.float().sigmoid().reshape(tokens, -1)
-        decay = -self.A_log.float().exp() * F.softplus(a.float().reshape(tokens, -1) + self.dt_bias.float())
+        decay = -a_log.exp() * F.softplus(a.float().reshape(tokens, -1) + dt_bias)
         return gated_delta_rule_func(q, k, v.reshape(tokens, -1, self.value_dim), decay, beta, layout,
                                      initial_state=initial_state, qk_l2norm=True)
 
@@ -214,8 +229,11 @@ def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:
     """The packed micro-batch's layout; without packed params each batch row is a sequence of its own."""
     layout = getattr(packed_seq_params, "layout", None)
     if layout is not None:
-        if batch != 1 or layout.total_tokens != seq:
-            raise ValueError(f"DualKVGatedDeltaNet: {seq} x {batch} hidden states for a layout of {layout.total_tokens} tokens")
+        tokens = local_tokens(packed_seq_params)
+        if batch != 1 or tokens.stop - tokens.start != seq:
+            cp = context_parallel_size(packed_seq_params.cp_group)
+            raise ValueError(f"DualKVGatedDeltaNet: {seq} x {batch} hidden states for a layout of {layout.total_tokens} "
+                             f"tokens" + (f" split over {cp} context-parallel ranks" if cp > 1 else ""))
         return layout
     if packed_seq_params is not None:
         raise ValueError("DualKVGatedDeltaNet: packed params without a DualKV layout (DualKVPackedSeqParams.from_layout)")

@@ -43,10 +43,12 @@ class HybridTransformerConfig(DualKVTransformerConfig):
                              f"got {len(self.layer_types)} entries" + (f" with {unknown}" if unknown else ""))
 
     def check_parallel_sizes(self, sizes) -> None:
-        """ValueError for what the GDN layers cannot run yet: our (Ulysses) context parallelism."""
-        if sizes.cp > 1 and "linear_attention" in self.layer_types:
-            raise ValueError("context parallelism (cp > 1) is not supported with Gated DeltaNet layers yet: a GDN "
-                             "layer's recurrence would need each rank's state from the rank before it; use tp or pp")
+        """ValueError for a split the GDN layers cannot take: tensor parallelism and then Ulysses
+        context parallelism each give a rank whole key heads (with the value heads they serve)."""
+        split = sizes.tp * sizes.cp
+        if "linear_attention" in self.layer_types and self.linear_num_key_heads % split:
+            raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) is not divisible by tp*cp ({split}): "
+                             "tensor parallelism and then Ulysses context parallelism split the Gated DeltaNet key heads")
 
     def is_linear_attention(self, layer_number: int) -> bool:
         """``layer_number``: 1-based over the whole model, as Megatron numbers layers."""
