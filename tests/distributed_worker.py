@@ -118,6 +118,7 @@ PARALLEL_RUNS = {
     "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
     "hybrid_tp2_sp_cp2": ParallelRun("qwen3_5-tiny", 4, dict(tp=2, sp=True, cp=2),
                                      dict(linear_num_key_heads=4, linear_num_value_heads=8)),
+    "reuse_hybrid_pp2_cp2": ParallelRun("qwen3_5-tiny", 4, dict(pp=2, cp=2), reuse=True),
     "moe_pp2_tp2": ParallelRun("qwen3-moe-tiny", 4, dict(pp=2, tp=2)),
     "moe_tp2_ep2_etp1_dp2": ParallelRun("qwen3-moe-tiny", 4, dict(tp=2, ep=2, etp=1)),
     # prefix trees of trajectories: TP with SP, CP (Ulysses over the tree layout), EP, PP with
