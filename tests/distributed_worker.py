@@ -134,6 +134,9 @@ PARALLEL_RUNS = {
     "hybrid_tp2_sp": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True)),
     "hybrid_pp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2)),
     "hybrid_moe_ep2": ParallelRun("qwen3-next-tiny", 2, dict(ep=2)),  # with the gated shared expert
+    # the interleaved schedule: each rank's two model chunks hold layers 1 and 3 (GDN, GDN) or 2 and
+    # 4 (GDN, full attention), so each chunk's layer types come from the whole model's numbering
+    "hybrid_pp2_vpp2": ParallelRun("qwen3_5-tiny", 2, dict(pp=2, vpp=2)),
     # Ulysses CP: each GDN layer runs its rank's key heads over the whole sequence, the conv, A_log
     # and dt_bias on their rows, the gated norm on the rank's tokens; selective recompute
     # recomputes the conv (on the CPU) and the gated norm after the all-to-all
