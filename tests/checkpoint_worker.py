@@ -30,6 +30,8 @@ SCENARIOS: Dict[str, Tuple[str, int, Dict]] = {  # name -> (card, world size, lo
     "gemma3_uneven_pp2": ("gemma3-uneven", 2, dict(pp=2)),
     # Gated DeltaNet heads split by tp: in_proj, the conv, A_log and dt_bias gathered along dim 0
     "qwen3_5_tp2": ("qwen3_5-tiny", 2, dict(tp=2)),
+    # Ulysses CP: every rank holds every tensor whole, and the checkpoint stores one replica
+    "qwen3_5_cp2": ("qwen3_5-tiny", 2, dict(cp=2)),
 }
 
 
