@@ -164,8 +164,8 @@ class DualKVGatedDeltaNet(MegatronModule):
         conv_output, release_conv = checkpoint_without_output(
             conv, extended, enabled=self.recompute_conv and not runs_kernels(extended))
         conv_output = conv_output[len(extended) - len(conv_input):]  # a part's own rows, after the held tail's
-        q, k, v = torch.split(conv_output.view_as(qkv), [self.key_dim, self.key_dim, self.values_per_key * self.value_dim],
-                              dim=-1)
+        q, k, v = torch.split(conv_output.view_as(qkv),
+                              [self.key_dim, self.key_dim, self.values_per_key * self.value_dim], dim=-1)
         out, final_states = self._delta_rule(q, k, v, b, a, layout, initial_state, cp_group)  # [T, value heads, Dv]
         if held is not None and not reads_held:
             # the prompt's pass: its segment is the layout's first
@@ -173,8 +173,8 @@ class DualKVGatedDeltaNet(MegatronModule):
         release_conv(out)
         if context_parallel_size(cp_group) > 1:
             out = heads_to_tokens(out, cp_group)
-        normed, release_norm = self._gated_norm_kept_lean(out.view(z.shape[0], -1, self.value_dim),
-                                                          z.reshape(z.shape[0], -1, self.value_dim), hidden_states.dtype)
+        per_head = (z.shape[0], -1, self.value_dim)
+        normed, release_norm = self._gated_norm_kept_lean(out.view(per_head), z.reshape(per_head), hidden_states.dtype)
         output = self.out_proj(normed.view(batch, seq, -1).transpose(0, 1))
         if self.recompute_gated_norm:
             release_norm(output[0])
@@ -232,8 +232,8 @@ def _layout_of(packed_seq_params, seq: int, batch: int, device) -> PackedLayout:
         tokens = local_tokens(packed_seq_params)
         if batch != 1 or tokens.stop - tokens.start != seq:
             cp = context_parallel_size(packed_seq_params.cp_group)
-            raise ValueError(f"DualKVGatedDeltaNet: {seq} x {batch} hidden states for a layout of {layout.total_tokens} "
-                             f"tokens" + (f" split over {cp} context-parallel ranks" if cp > 1 else ""))
+            raise ValueError(f"DualKVGatedDeltaNet: {seq} x {batch} hidden states for a layout of "
+                             f"{layout.total_tokens} tokens" + (f" split over {cp} context-parallel ranks" if cp > 1 else ""))
         return layout
     if packed_seq_params is not None:
         raise ValueError("DualKVGatedDeltaNet: packed params without a DualKV layout (DualKVPackedSeqParams.from_layout)")

@@ -47,8 +47,9 @@ class HybridTransformerConfig(DualKVTransformerConfig):
         context parallelism each give a rank whole key heads (with the value heads they serve)."""
         split = sizes.tp * sizes.cp
         if "linear_attention" in self.layer_types and self.linear_num_key_heads % split:
-            raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) is not divisible by tp*cp ({split}): "
-                             "tensor parallelism and then Ulysses context parallelism split the Gated DeltaNet key heads")
+            raise ValueError(f"linear_num_key_heads ({self.linear_num_key_heads}) is not divisible by tp*cp "
+                             f"({split}): tensor parallelism and then Ulysses context parallelism split the Gated "
+                             "DeltaNet key heads")
 
     def is_linear_attention(self, layer_number: int) -> bool:
         """``layer_number``: 1-based over the whole model, as Megatron numbers layers."""
