@@ -6,21 +6,23 @@ from typing import Optional
 import torch
 
 from .layout import PackedLayout, PrefixedLayout
-from .ops.checks import check_attention_inputs, triton_available
+from .ops.checks import check_attention_inputs, runs_kernels, triton_available
 from .ops.fa4_chains import fa4_chains_attn, fa4_takes
 from .ops.reference import dualkv_attention_reference, dualkv_prefix_attention_reference
 
 # "auto": the fastest kernels on the device (the native sm_90 kernels where they apply, FA4's on
-# plain causal sequences where it is installed, else Triton), the float64-exact reference off GPU;
+# plain causal sequences where it is installed, else Triton); the float64-exact reference off GPU
+# and for float64 inputs (the kernels take 16- and 32-bit floats);
 # "triton": the portable Triton kernels only
 BACKENDS = ("auto", "triton", "reference")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    device = q.device
     if backend not in BACKENDS:
         raise ValueError(f"unknown DualKV attention backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available(device) else "reference"
+        return "triton" if runs_kernels(q) else "reference"
     if backend == "triton" and not triton_available(device):
         raise RuntimeError(
             f"the triton backend cannot run on {device}: it needs triton installed and a CUDA device, "
@@ -52,7 +54,7 @@ def dualkv_attn_func(
     "triton" (the Triton kernels only) or "reference".
     """
     scale = check_attention_inputs(q, k, v, layout, softmax_scale, window_size, softcap)
-    if resolve_backend(backend, q.device) == "reference":
+    if resolve_backend(backend, q) == "reference":
         return dualkv_attention_reference(q, k, v, layout, softmax_scale, window_size, softcap)
     if backend == "auto" and fa4_takes(q, layout, window_size, softcap, deterministic):
         return fa4_chains_attn(q, k, v, layout, scale)
@@ -84,7 +86,7 @@ def dualkv_prefix_attn_func(
     micro-batches accumulates. ``window_size``, ``softcap``, ``deterministic`` and ``backend`` as in
     ``dualkv_attn_func``.
     """
-    if resolve_backend(backend, q.device) == "reference":
+    if resolve_backend(backend, q) == "reference":
         return dualkv_prefix_attention_reference(q, k, v, prefix_k, prefix_v, layout, softmax_scale, window_size,
                                                  softcap)
     from .ops.dualkv_prefix_attn import dualkv_prefix_attn_triton

@@ -2,8 +2,8 @@
 not run: fla's chunked delta rule where it is usable (else the PyTorch chunked rule), the short
 conv's Triton kernels and the Triton attention kernels. A GRPO step's log-probs and every gradient
 on the packed layout are within twice the replicated layout's own bf16 error (each trajectory a
-sequence from zero state), both against the packed step of the same weights in float64 on the CPU
-(float32 for the MoE card): on groups with odd lengths and padding, and on a prefix tree."""
+sequence from zero state), both against the packed step of the same weights in float64 (which runs
+every op's PyTorch math, on the GPU too): on groups with odd lengths and padding, and on a prefix tree."""
 import pytest
 import torch
 
@@ -21,8 +21,9 @@ SHAPES = [[(37, [23, 5, 41]), (9, [17, 30])], [(60, [8]), (13, [29, 3, 44, 11])]
 
 def bf16_model_and_exact_copy(card):
     """``card`` in bf16 where ``build_model`` puts it, with a slow decay in every Gated DeltaNet
-    layer, and the same weights on the CPU in float64 (float32 for MoE, whose grouped expert
-    matmuls have no float64 CPU kernel). No load-balancing loss: its statistics are per layout.
+    layer, and the same weights in float64 beside it (every op's exact PyTorch math; on the GPU,
+    since Megatron moves a MoE router's weight there whatever the model's device). No
+    load-balancing loss: its statistics are per layout.
 
     The slow decay (about 1% a token): at the initialisation's (up to 16 a token) a state fades
     within a few tokens, and a wrong hand-off between segments would hide under bf16 rounding."""
@@ -31,9 +32,8 @@ def bf16_model_and_exact_copy(card):
         for module in model.modules():
             if isinstance(module, DualKVGatedDeltaNet):
                 module.A_log.fill_(-4.0)
-    dtype = torch.float32 if model.config.num_moe_experts else torch.float64
-    exact = build_model(card, moe_aux_loss_coeff=0.0).cpu().to(dtype)
-    exact.load_state_dict({name: value.cpu().to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+    exact = build_model(card, dtype=torch.float64, moe_aux_loss_coeff=0.0)
+    exact.load_state_dict({name: value.double() if torch.is_tensor(value) and value.is_floating_point() else value
                            for name, value in model.state_dict().items()})
     return model, exact
 
@@ -55,7 +55,7 @@ def _batches():
 
 
 def _step(model, batches, behaviour, layout):
-    """(the trained tokens' log-probs, {name: gradient}), float64 on the CPU."""
+    """(the trained tokens' log-probs, {name: gradient}), in float64 on the CPU."""
     device = next(model.parameters()).device
     moved = [[[x.to(device) for x in group] for group in nested] for nested in behaviour]
     micro_batches = [RLMicroBatch(batch, old, ref) for batch, old, ref in zip(batches, moved[0::2], moved[1::2])]

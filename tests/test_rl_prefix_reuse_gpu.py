@@ -1,7 +1,7 @@
 """Prefix reuse on a GPU, in bf16, on the CUDA paths the CPU tests do not run (the native and
 Triton attention kernels, the short conv's Triton kernels, fla's delta rule where it is usable):
 the parts' log-probs and every gradient within twice the one-micro-batch step's own bf16 error,
-both against the float64 step on the CPU."""
+both against the float64 step (the ops' PyTorch math, on the GPU)."""
 import pytest
 import torch
 

@@ -55,7 +55,8 @@ from megatron.core.transformer.utils import (
 from torch import Tensor
 
 from ..layout import PackedLayout, PrefixedLayout, TreeLayout
-from ..ops.causal_conv1d import causal_conv1d_func, runs_kernels
+from ..ops.causal_conv1d import causal_conv1d_func
+from ..ops.checks import runs_kernels
 from ..ops.gated_delta_rule import gated_delta_rule_func
 from .context_parallel import context_parallel_size, heads_to_tokens, local_heads, local_tokens, tokens_to_heads
 from .recompute import Release, checkpoint_without_output

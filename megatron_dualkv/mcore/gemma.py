@@ -50,6 +50,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
+from ..ops.checks import runs_kernels
 from ..ops.geglu import geglu_func, geglu_reference
 from ..ops.rms_norm import rms_norm_func, rms_norm_reference
 from .attention import DualKVAttention
@@ -123,7 +124,7 @@ class GemmaRMSNorm(RecomputableOutput):
             self.register_parameter("weight", None)
 
     def compute(self, x: Tensor) -> Tensor:
-        norm = rms_norm_func if x.is_cuda else rms_norm_reference  # one Triton kernel per direction on GPU
+        norm = rms_norm_func if runs_kernels(x) else rms_norm_reference  # one Triton kernel per direction on GPU
         return norm(x, self.weight, self.eps, self.zero_centered)
 
 
@@ -175,7 +176,7 @@ class GemmaMLP(DualKVMLP):
         super().__init__(config, submodules, **kwargs)
 
     def activation(self, intermediate: Tensor) -> Tensor:
-        return (geglu_func if intermediate.is_cuda else geglu_reference)(intermediate)
+        return (geglu_func if runs_kernels(intermediate) else geglu_reference)(intermediate)
 
 
 @dataclass

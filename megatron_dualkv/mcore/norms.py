@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..ops.checks import runs_kernels
 from ..ops.rms_norm import rms_norm_func
 from .recompute import RecomputableOutput
 
@@ -37,7 +38,7 @@ class FusedRMSNorm(RecomputableOutput, torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with one Triton kernel per direction on CUDA (float32 math, one rounding)."""
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.weight is not None and self.eps is not None:
+        if runs_kernels(x) and self.weight is not None and self.eps is not None:
             return rms_norm_func(x, self.weight, self.eps)
         return torch.nn.RMSNorm.forward(self, x)
 

@@ -45,6 +45,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from torch import Tensor
 
+from ..ops.checks import runs_kernels
 from ..ops.rms_norm_rope import rms_norm_rope_func, rms_norm_rope_reference
 from .norms import FusedRMSNorm
 from .recompute import RecomputableQueryKey, Release, checkpoint_without_output
@@ -188,7 +189,7 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         if freqs is None:
             x = _normed(norm, x)
         elif per_token and self._fuses_norm_and_rope(norm, freqs, x):
-            x = (rms_norm_rope_func if x.is_cuda else rms_norm_rope_reference)(x, norm.weight, norm.eps, freqs, mscale)
+            x = (rms_norm_rope_func if runs_kernels(x) else rms_norm_rope_reference)(x, norm.weight, norm.eps, freqs, mscale)
         elif thd and not per_token:
             return rope(_normed(norm, x).squeeze(1), freqs, cu_seqlens=cu_seqlens)
         else:

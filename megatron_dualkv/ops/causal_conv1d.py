@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..layout import PackedLayout
-from .checks import check_layout, use_triton
+from .checks import check_layout, runs_kernels
 
 ACTIVATIONS = {None: lambda x: x, "silu": F.silu}
 
@@ -85,12 +85,6 @@ def causal_conv1d_func(
     extended = GatherRows.apply(x, plan.gather)  # (T + S (K-1), C)
     y = F.conv1d(extended.T[None], weight[:, None, :], bias, groups=x.shape[1])[0].T
     return ACTIVATIONS[activation](y.index_select(0, plan.outputs))
-
-
-def runs_kernels(x: Tensor, use_kernel: Optional[bool] = None) -> bool:
-    """Whether ``causal_conv1d_func(x, ..., use_kernel=use_kernel)`` runs the Triton kernels, which
-    keep only x for the backward (the gather + ``conv1d`` path keeps its extended input)."""
-    return use_triton(x.device, use_kernel) and x.dtype != torch.float64
 
 
 MAX_KERNEL_WIDTH = 8

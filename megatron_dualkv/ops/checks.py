@@ -27,6 +27,13 @@ def use_triton(device: torch.device, requested: Optional[bool] = None) -> bool:
     return (device.type == "cuda" if requested is None else bool(requested)) and triton_available(device)
 
 
+def runs_kernels(x: torch.Tensor, requested: Optional[bool] = None) -> bool:
+    """Whether an op runs its Triton kernels on ``x``: ``use_triton`` on its device, and a dtype the
+    kernels take. float64 always runs the ops' PyTorch math, on any device: it is the exact oracle
+    of the tests, which on a GPU machine run it beside the bf16 model."""
+    return use_triton(x.device, requested) and x.dtype != torch.float64
+
+
 def check_layout(layout) -> None:
     """TypeError unless ``layout`` is a packed layout (what every op on the packed tokens reads)."""
     if not isinstance(layout, PackedLayout):

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import use_triton
+from .checks import runs_kernels
 
 BLOCK_H = 1024  # columns per program
 
@@ -62,7 +62,7 @@ def row_gather_sum(x: torch.Tensor, order: torch.Tensor, k: int, use_kernel: Opt
         raise ValueError(f"row_gather_sum: k must be >= 1 and divide the {x.shape[0]} rows of x, got k={k}")
     if order.device != x.device:
         raise ValueError(f"row_gather_sum: x on {x.device}, order on {order.device}")
-    kernel = use_triton(x.device, use_kernel)
+    kernel = runs_kernels(x, use_kernel)
     if x.numel() == 0 or not kernel:  # no grid to launch for no rows or columns
         return row_gather_sum_reference(x, order, k)
     x, order = x.contiguous(), order.contiguous()
