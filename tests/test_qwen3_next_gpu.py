@@ -32,7 +32,7 @@ def bf16_model_and_exact_copy(card):
         for module in model.modules():
             if isinstance(module, DualKVGatedDeltaNet):
                 module.A_log.fill_(-4.0)
-    exact = build_model(card, dtype=torch.float64, moe_aux_loss_coeff=0.0)
+    exact = build_model(card, moe_aux_loss_coeff=0.0).double()
     exact.load_state_dict({name: value.double() if torch.is_tensor(value) and value.is_floating_point() else value
                            for name, value in model.state_dict().items()})
     return model, exact
