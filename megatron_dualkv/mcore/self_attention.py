@@ -189,7 +189,8 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         if freqs is None:
             x = _normed(norm, x)
         elif per_token and self._fuses_norm_and_rope(norm, freqs, x):
-            x = (rms_norm_rope_func if runs_kernels(x) else rms_norm_rope_reference)(x, norm.weight, norm.eps, freqs, mscale)
+            fused = rms_norm_rope_func if runs_kernels(x) else rms_norm_rope_reference
+            x = fused(x, norm.weight, norm.eps, freqs, mscale)
         elif thd and not per_token:
             return rope(_normed(norm, x).squeeze(1), freqs, cu_seqlens=cu_seqlens)
         else:
