@@ -1,8 +1,8 @@
 """export_hf_weights (a live model's weights under their Hugging Face names, whole, one at a time)
 against the Hugging Face checkpoint the model was converted from, in one process and on two gloo
-processes at tp=2 (Qwen3, Gemma 3, Qwen3.5), ep=2 (Qwen3-MoE), pp=2 (Qwen3) and cp=2 (Qwen3.5), where every rank must yield
-every tensor, and give transformers' log-probs; also for layer counts pp=2 splits unevenly (Qwen3,
-Gemma 3) and a vocabulary tp pads. The parallel runs also save their model with save_model
+processes at tp=2 (Qwen3, Gemma 3, Qwen3.5), ep=2 (Qwen3-MoE), pp=2 (Qwen3) and cp=2 (Qwen3.5),
+where every rank must yield every tensor, and give transformers' log-probs; also for layer counts
+pp=2 splits unevenly (Qwen3, Gemma 3) and a vocabulary tp pads. The parallel runs also save their model with save_model
 (Megatron's own writer, each tensor split as the ranks hold it): loading that in one process and
 converting it back to Hugging Face must be lossless."""
 import json

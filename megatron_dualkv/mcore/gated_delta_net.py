@@ -148,7 +148,8 @@ class DualKVGatedDeltaNet(MegatronModule):
             tokens, [self.conv_group_channels, self.values_per_key * self.value_dim, self.values_per_key,
                      self.values_per_key], dim=-1)
         cp_group = getattr(packed_seq_params, "cp_group", None)
-        if context_parallel_size(cp_group) > 1:
+        ulysses = context_parallel_size(cp_group) > 1
+        if ulysses:
             # the recurrence needs every token: this rank's key heads over the whole sequence (the
             # gate z stays with the tokens, for the gated norm after the way back)
             qkv, b, a = tokens_to_heads((qkv, b, a), cp_group)
@@ -172,7 +173,7 @@ class DualKVGatedDeltaNet(MegatronModule):
             # the prompt's pass: its segment is the layout's first
             out = held.hold_state(self.layer_number, out, conv_input, final_states[0], self.width)
         release_conv(out)
-        if context_parallel_size(cp_group) > 1:
+        if ulysses:
             out = heads_to_tokens(out, cp_group)
         per_head = (z.shape[0], -1, self.value_dim)
         normed, release_norm = self._gated_norm_kept_lean(out.view(per_head), z.reshape(per_head), hidden_states.dtype)
