@@ -268,8 +268,8 @@ def _attention_tensors(config, layer_number: int, layout: str, b: int) -> List[S
         SavedTensor("input and pre-MLP norm statistics, the attention's log-sum-exp (fp32)", heads + 2, 4),
     ]
     if gated:
-        # Megatron's output gate (a torch.compile'd x * sigmoid(gate)) keeps the gate's copy out of
-        # linear_qkv's output, and its product, not the attention output, is linear_proj's input
+        # the output gate (ops.output_gate) keeps the gate's copy out of linear_qkv's output, and its
+        # product, not the attention output, is linear_proj's input
         tensors += [SavedTensor("output gate: the gate heads, its input", heads * d, b),
                     SavedTensor("output gate: its product, linear_proj's input", heads * d, b)]
     if layout == "replicated":

@@ -35,3 +35,15 @@ def test_one_layer_keeps_what_the_model_counts(card, mode, transformer_engine, f
     if fp8 and mode != "full":  # the layer's FP8 weights, kept per micro-batch (MemoryModel.fp8_weight_bytes)
         predicted += 2 * layer_linear_parameters(config, 2, ParallelSizes()).total / tokens
     assert (two - one) / tokens == pytest.approx(predicted, rel=0.05)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("layer", [2, 4], ids=["gated-delta-net", "gated-attention"])
+def test_a_hybrid_layer_keeps_what_the_model_counts(layer, mode):
+    """Qwen3.5-4B's Gated DeltaNet layer (2) and full-attention layer with an output gate (4): the
+    model of ``layer`` layers against the one of ``layer - 1``."""
+    tool, tokens = probe(), 8192
+    fewer, _ = tool.held_after_forward("qwen3_5-4b", layer - 1, mode, tokens, torch.bfloat16)
+    more, config = tool.held_after_forward("qwen3_5-4b", layer, mode, tokens, torch.bfloat16)
+    predicted = layer_activation_bytes(config, layer, ParallelSizes(), mode, "packed")
+    assert (more - fewer) / tokens == pytest.approx(predicted, rel=0.05)

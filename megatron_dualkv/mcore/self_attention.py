@@ -23,6 +23,9 @@ Why:
   anyway (v is a view of it), so that is all the function saves. The rotated q and k are released
   once the sublayer's forward has returned, and recomputed when the gradient of its output arrives,
   before the attention's backward reads them.
+- The output gate (Qwen3.5, Qwen3-Next) is ``ops.output_gate``, not Megatron's compiled function:
+  that one keeps the float32 sigmoid instead of the gate whenever Dynamo runs it eagerly (past its
+  recompile limit), and the memory the model counts would no longer hold.
 
 Otherwise the rotation is Megatron's ``apply_rotary_pos_emb`` with the arguments its forward passes
 in megatron-core 0.16 and 0.19: per token with ``cu_seqlens`` (the padded ones where given) on the
@@ -46,6 +49,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from torch import Tensor
 
 from ..ops.checks import runs_kernels
+from ..ops.output_gate import output_gate_func
 from ..ops.rms_norm_rope import rms_norm_rope_func, rms_norm_rope_reference
 from .norms import FusedRMSNorm
 from .recompute import RecomputableQueryKey, Release, checkpoint_without_output
@@ -131,6 +135,11 @@ class DualKVSelfAttention(RecomputableQueryKey, SelfAttention):
         query = self._for_attention(self.query_heads, self.q_layernorm, q_freqs, q_cu_seqlens, query)
         key = self._for_attention(_unchanged, self.k_layernorm, k_freqs, k_cu_seqlens, key)
         return (query, key, value, self.query_heads(gate)) if output_gate else (query, key, value)
+
+    def _apply_output_gate(self, x: Tensor, gate: Tensor) -> Tensor:
+        """x * sigmoid(gate) through ``ops.output_gate``: it keeps x and the gate heads, as the
+        memory model counts, whether or not torch.compile compiles Megatron's gate."""
+        return output_gate_func(x, gate)
 
     def unnormed_query_key_value(self, hidden_states: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """[sq, b, h] -> query [sq, b, ng, np/ng * hn], key and value [sq, b, ng, hn]: views of
