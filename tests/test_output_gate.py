@@ -2,6 +2,8 @@
 flash-attention style bound in low precision (bf16 on the GPU when there is one), and what it keeps
 for the backward: x and the gate on every path, where Megatron's gate, once Dynamo gives up on it,
 keeps the float32 sigmoid."""
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -29,8 +31,16 @@ def run(gate_fn, x, gate, dy):
     return (y, *torch.autograd.grad(y, leaves, dy.to(y.dtype)))
 
 
-def triton_gate(x, gate):
-    return output_gate_func(x, gate, use_triton=True)
+def gate_with(use_triton):
+    return lambda x, gate: output_gate_func(x, gate, use_triton=use_triton)
+
+
+def megatrons_gate():
+    """Megatron's ``Attention._apply_output_gate`` as written, without its ``torch.compile``."""
+    fn = getattr(Attention._apply_output_gate, "__wrapped__", None)
+    if fn is None:
+        pytest.skip("this megatron-core's output gate is not a wrapped compiled function")
+    return fn
 
 
 @given(st.sampled_from([(1, 2), (5, 14), (3, 2, 74), (2, 1, 2050), (17, 1, 600)]), st.booleans())
@@ -38,7 +48,7 @@ def triton_gate(x, gate):
 def test_matches_float64(shape, use_triton):
     """Both paths; sizes shorter than, and not a multiple of, a program's block."""
     x, gate, dy = inputs(shape, torch.float32)
-    got = run(lambda a, b: output_gate_func(a, b, use_triton=use_triton), x, gate, dy)
+    got = run(gate_with(use_triton), x, gate, dy)
     want = run(output_gate_reference, x.double(), gate.double(), dy.double())
     for name, a, b in zip(("y", "dx", "dgate"), got, want):
         assert a.shape == b.shape and a.dtype == torch.float32, name
@@ -50,7 +60,7 @@ def test_low_precision_within_twice_the_pytorch_error():
     shape = (512, 1, 4096) if DEVICE == "cuda" else (6, 1, 96)
     x, gate, dy = inputs(shape, LOW, seed=1)
     exact = run(output_gate_reference, x.double(), gate.double(), dy.double())
-    ours = run(triton_gate, x, gate, dy)
+    ours = run(gate_with(True), x, gate, dy)
     torch_ops = run(output_gate_reference, x, gate, dy)
     for name, a, b, e in zip(("y", "dx", "dgate"), ours, torch_ops, exact):
         assert a.dtype == LOW, name
@@ -63,11 +73,8 @@ def test_megatrons_gate_forward_bitwise_and_gradients_to_rounding(use_triton):
     PyTorch path; the gradients, whose float32 products autograd orders differently, to one
     rounding of the inputs' dtype."""
     x, gate, dy = inputs((7, 1, 64), LOW, seed=2)
-    megatron = run(lambda a, b: Attention._apply_output_gate.__wrapped__(None, a, b), x, gate, dy) \
-        if hasattr(Attention._apply_output_gate, "__wrapped__") else None
-    if megatron is None:
-        pytest.skip("this megatron-core's output gate is not a wrapped compiled function")
-    ours = run(lambda a, b: output_gate_func(a, b, use_triton=use_triton), x, gate, dy)
+    megatron = run(partial(megatrons_gate(), None), x, gate, dy)
+    ours = run(gate_with(use_triton), x, gate, dy)
     if not use_triton:
         assert torch.equal(ours[0], megatron[0])
     for name, a, b in zip(("y", "dx", "dgate"), ours, megatron):
@@ -86,7 +93,7 @@ def saved_for_backward(fn, *args):
 def test_keeps_x_and_the_gate_only(use_triton):
     x, gate, _ = inputs((5, 1, 32), LOW)
     x.requires_grad_(), gate.requires_grad_()
-    saved = saved_for_backward(lambda a, b: output_gate_func(a, b, use_triton=use_triton), x, gate)
+    saved = saved_for_backward(gate_with(use_triton), x, gate)
     assert saved == [((5, 1, 32), LOW), ((5, 1, 32), LOW)]
 
 
@@ -94,16 +101,13 @@ def test_megatrons_compiled_gate_keeps_the_float32_sigmoid_once_dynamo_gives_up(
     """Why the op exists: past Dynamo's recompile limit Megatron's gate runs eagerly and keeps the
     float32 sigmoid (twice as large as the gate it replaces), so a memory count built on the
     compiled graph would not hold; the op keeps the same tensors either way."""
+    compiled = torch.compile(megatrons_gate(), dynamic=False)
     torch._dynamo.reset()
-    try:
-        compiled = torch.compile(Attention._apply_output_gate.__wrapped__, dynamic=False)
-    except AttributeError:
-        pytest.skip("this megatron-core's output gate is not a wrapped compiled function")
     with torch._dynamo.config.patch(recompile_limit=1):
         for tokens in (3, 4):  # the second shape is past the limit of one graph
             x, gate, _ = inputs((tokens, 1, 32), torch.bfloat16)
             x.requires_grad_(), gate.requires_grad_()
-            megatron = saved_for_backward(lambda a, b: compiled(None, a, b), x, gate)
+            megatron = saved_for_backward(partial(compiled, None), x, gate)
     torch._dynamo.reset()
     assert ((4, 1, 32), torch.float32) in megatron
     assert saved_for_backward(output_gate_func, x, gate) == [((4, 1, 32), torch.bfloat16)] * 2
