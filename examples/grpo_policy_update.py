@@ -96,11 +96,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--cp", type=int, default=1, help="context-parallel size (Ulysses)")
     add_layer_spec_flags(group)
     group.add_argument("--layout", choices=["packed", "replicated"], default="packed")
-    group.add_argument("--recompute", choices=["none", "selective", "full", "auto"], default="none",
-                       help="activation recompute (build_model's recompute); auto: the least that fits the GPU "
+    group.add_argument("--recompute", choices=["none", "selective", "offload", "full", "auto"], default="none",
+                       help="activation recompute (build_model's recompute); offload: selective, and --recompute-layers "
+                            "N layers' saved tensors in pinned host memory; auto: the least that fits the GPU "
                             "(megatron_dualkv.memory)")
     group.add_argument("--recompute-layers", type=int, default=None,
-                       help="also recompute the first N layers of every pipeline stage whole")
+                       help="also recompute the first N layers of every pipeline stage whole (with offload: offload "
+                            "them)")
+    group.add_argument("--offload", action="store_true",
+                       help="let --recompute auto offload layers (their saved tensors in pinned host memory, up to a "
+                            "third of each stage) before it recomputes layers whole")
     group.add_argument("--memory-margin", type=float, default=None,
                        help="share of the GPU's memory that --recompute auto and --max-tokens auto leave free "
                             "(default: the memory model's DEFAULT_MARGIN)")
@@ -180,6 +185,8 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
         yield f"--fp8 {args.fp8} trains bf16 parameters with FP8 matmuls: pass --dtype bfloat16"
     if args.recompute == AUTO and args.recompute_layers is not None:
         yield "--recompute-layers is --recompute auto's to choose: pass one or the other"
+    if args.offload and args.recompute != AUTO:
+        yield "--offload lets --recompute auto choose offloaded layers; set them yourself with --recompute offload"
     if margin_problem := memory_margin_problem(args.memory_margin):
         yield margin_problem
     if args.global_batch_size % args.mini_batches:
@@ -358,6 +365,7 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
                                   dp=dp, distributed_optimizer=args.use_distributed_optimizer,
                                   ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
                                   fp8=args.fp8 != "off")
+    memory = dataclasses.replace(memory, offload=args.offload)
     whole, longest, responses = packed_sizes(groups)
     replicated, multiple = args.layout == "replicated", micro_batch_token_multiple(sizes, args.fp8 != "off")
     if replicated:

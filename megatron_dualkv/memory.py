@@ -17,7 +17,8 @@ of model dimensions, a dtype, and how tensor and sequence parallelism split it. 
 them: "selective" the norm outputs and MLP activations that the next linear saves and the rotated q
 and k with what the q/k norms and RoPE keep (all recomputed from tensors that stay; under FP8 the
 q and k only, ``recompute_config_kwargs``), a fully
-recomputed layer everything but its input. The counts were read off the code and measured on the
+recomputed layer everything but its input, and an offloaded layer ("offload") everything on the
+device: its selective set waits in pinned host memory (``MemoryEstimate.host``). The counts were read off the code and measured on the
 H200 (PERF_NOTES.md, session 19: one layer within 3.5%, ten whole steps' peaks within -0.2% to +7.2%);
 a change to a spec that saves other tensors must change them too (``tests/test_memory_gpu.py``).
 A Gated DeltaNet layer (the hybrids) keeps what its GPU path and fla's chunked kernel save
@@ -41,7 +42,7 @@ from .planner import moe_layer_flags
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.08  # of the device's memory: the allocator's fragmentation and what it does not count
-HOST_SHARE = 0.5  # of the machine's memory, for pinned prompt activations (the rest: the data, the OS, the CPU copy of a checkpoint)
+HOST_SHARE = 0.5  # of the machine's memory, for pinned activations (a held prompt's, offloaded layers'; the rest: the data, the OS, the CPU copy of a checkpoint)
 GRADIENT_FACTOR = 1.0  # a layer's backward working set over its activations
 
 
@@ -364,9 +365,11 @@ def selectively_freed(mode: str, fp8: bool) -> Tuple[str, ...]:
 
 def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode: str, layout: str = "packed",
                            transformer_engine: bool = False, fp8: bool = False) -> float:
-    """Bytes per micro-batch token that one layer keeps until its backward, under recompute ``mode``
-    ("none", "selective", or "full": the layer recomputed whole, keeping its input); the spec as
-    ``layer_tensors`` takes it."""
+    """Bytes per micro-batch token that one layer keeps on the device until its backward, under
+    recompute ``mode`` ("none", "selective", "full": the layer recomputed whole, keeping its input, or
+    "host": offloaded, keeping nothing there); the spec as ``layer_tensors`` takes it."""
+    if mode == "host":
+        return 0.0
     if mode == "full":
         b = 2 if config.params_dtype in (torch.bfloat16, torch.float16) else 4
         return config.hidden_size * b / (sizes.tp if sizes.sp else 1) / sizes.cp
@@ -383,11 +386,22 @@ def _check_recompute(mode: str, layers: Optional[int], max_layers: int) -> None:
 def layer_modes(mode: str, recompute_layers: Optional[int], layers: Sequence[int]) -> List[str]:
     """Each of a stage's (or model chunk's) layers' recompute: ``mode``, except that ``recompute_layers``
     = N fully recomputes the first N (Megatron's "block" method) and leaves the others at "selective"
-    (mode "selective") or at "none" (mode "full")."""
+    (mode "selective") or at "none" (mode "full"); mode "offload" offloads the first N ("host") and
+    leaves the others at "selective"."""
     if mode == "none" or recompute_layers is None:
         return [mode] * len(layers)
-    rest = "selective" if mode == "selective" else "none"
-    return ["full" if i < recompute_layers else rest for i in range(len(layers))]
+    first = "host" if mode == "offload" else "full"
+    rest = "none" if mode == "full" else "selective"
+    return [first if i < recompute_layers else rest for i in range(len(layers))]
+
+
+def offloadable_layers(stage_layers: int) -> int:
+    """The most layers of a stage that ``recompute="offload"`` takes: a third. A layer's saved tensors
+    take about three layers' forward to copy over PCIe 5 (~80-100 KiB a token against ~0.6 us of
+    forward a token and layer on an H200), so the copies of a third of the layers still hide behind
+    the forward; and the backward's copies back (``mcore.offload.prefetch_distance`` layers ahead)
+    then stay below the activations' peak."""
+    return stage_layers // 3
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -396,7 +410,7 @@ class MemoryEstimate:
     """Predicted bytes of one rank, by part (``parts``: name -> bytes)."""
 
     parts: Dict[str, float]
-    host: float = 0.0  # pinned host memory beside it (prefix reuse's prompt activations on the host)
+    host: float = 0.0  # pinned host memory beside it (prefix reuse's prompt activations, offloaded layers')
 
     @property
     def total(self) -> float:
@@ -419,7 +433,8 @@ class MemoryModel:
     config: the model's ``TransformerConfig`` (``build_transformer_config`` gives it without building);
     vocab_size: the (padded) vocabulary of the embedding and output layer; tied: shared embedding and
     output weights. dp: data-parallel size (for the distributed optimizer's shards). ref_model: a
-    frozen bf16 reference policy of the same layout is resident.
+    frozen bf16 reference policy of the same layout is resident. offload: ``fit`` may also offload
+    layers (not beside prefix reuse's held prompt, nor in the Transformer Engine spec).
     """
 
     config: object
@@ -431,6 +446,7 @@ class MemoryModel:
     ref_model: bool = False
     transformer_engine: bool = False
     fp8: bool = False
+    offload: bool = False  # ``fit``'s ladder also offers offloaded layers (``recompute="offload"``)
 
     @classmethod
     def for_card(cls, card, sizes: ParallelSizes = ParallelSizes(), dtype: torch.dtype = torch.bfloat16, dp: int = 1,
@@ -522,7 +538,8 @@ class MemoryModel:
         layers = [n for chunk in chunk_layers(self.config, self.sizes, pp_rank) for n in chunk]
         widest = max(layers, key=lambda n: layer_activation_bytes(config, n, sizes, "none", layout, *self._spec))
         none_bytes = layer_activation_bytes(config, widest, sizes, "none", layout, *self._spec) * tokens
-        deepest = "full" if mode == "full" or recompute_layers else mode
+        # an offloaded layer's backward holds its selective set again, back from the host
+        deepest = "selective" if mode == "offload" else "full" if mode == "full" or recompute_layers else mode
         held = layer_activation_bytes(config, widest, sizes, deepest, layout, *self._spec) * tokens
         # a layer's backward needs gradients about as large as the activations it differentiates, and a
         # recomputed layer holds what it dropped again during its own backward
@@ -626,6 +643,9 @@ class MemoryModel:
         part "held prompt"; ``prompt_on_host``: its activations wait on the host instead
         (``_prompt_on_host_peak``)."""
         _check_recompute(recompute, recompute_layers, self._min_chunk_layers())
+        if held_prompt_tokens and recompute == "offload":
+            raise ValueError("prefix reuse does not run with offloaded layers (recompute='offload'): its held "
+                             "prompt K/V are views of what the prompt's layers save")
         rows = tokens if predicting_rows is None else predicting_rows
         if held_prompt_tokens and prompt_on_host:
             return self._prompt_on_host_peak(tokens, rows, recompute, recompute_layers, num_micro_batches, pp_rank,
@@ -650,7 +670,11 @@ class MemoryModel:
         parts["transient"] = self.transient_bytes(tokens, rows, recompute, recompute_layers, pp_rank, layout)
         if held_bytes is not None:
             parts["held prompt"] = held_bytes
-        return MemoryEstimate(parts)
+        host = 0.0
+        if recompute == "offload":
+            host = (self.activation_bytes_per_token("selective", None, pp_rank, layout)
+                    - self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)) * tokens * in_flight
+        return MemoryEstimate(parts, host)
 
     def peak(self, *args, **kwargs) -> MemoryEstimate:
         """``predict`` of the pipeline rank with the largest peak."""
@@ -659,11 +683,14 @@ class MemoryModel:
     def _min_chunk_layers(self) -> int:
         return min(len(layers) for r in range(self.sizes.pp) for layers in chunk_layers(self.config, self.sizes, r))
 
-    def recompute_ladder(self) -> List[Tuple[str, Optional[int]]]:
+    def recompute_ladder(self, offload: bool = True) -> List[Tuple[str, Optional[int]]]:
         """Recompute settings from the cheapest to the one that saves the most memory: none, selective,
+        (with ``offload``) the first 1, 2, ... of ``offloadable_layers`` layers of each stage offloaded,
         selective with the first 1, 2, ... layers of each stage fully recomputed, full."""
         layers = self._min_chunk_layers()
-        return [("none", None), ("selective", None)] + [("selective", n) for n in range(1, layers)] + [("full", None)]
+        offloaded = [("offload", n) for n in range(1, offloadable_layers(layers) + 1)] if offload else []
+        return ([("none", None), ("selective", None)] + offloaded + [("selective", n) for n in range(1, layers)]
+                + [("full", None)])
 
     def fit(self, budget_bytes: float, min_tokens: int, predicting_fraction: float = 1.0,
             recompute: Optional[str] = None, recompute_layers: Optional[int] = None, num_micro_batches: int = 1,
@@ -682,7 +709,9 @@ class MemoryModel:
         (default ``host_budget()``). ValueError when even the last setting does not fit
         ``min_tokens``, naming the budget and that setting's peak.
         """
-        ladder = self.recompute_ladder() if recompute is None else [(recompute, recompute_layers)]
+        offload = self.offload and not self.transformer_engine and not held_prompt_tokens
+        ladder = (self.recompute_ladder(offload) if recompute is None
+                  else [(recompute, recompute_layers)])
         micro_batch = micro_batch or (lambda n: (n, int(n * predicting_fraction)))
 
         def fit_at(n: int, setting) -> Fit:
@@ -761,8 +790,16 @@ class Fit:
     micro_batch_tokens: int  # of the largest micro-batch, in ``layout``
     prompt_on_host: bool = False  # prefix reuse's held prompt keeps its activations on the host
 
+    def layers_recomputed_whole(self, num_layers: int, stages: int) -> int:
+        """Of a model's ``num_layers`` over ``stages`` pipeline stages (model chunks), how many this setting
+        recomputes whole."""
+        if self.recompute == "full":
+            return num_layers
+        return 0 if self.recompute == "offload" else (self.recompute_layers or 0) * stages
+
     def describe(self) -> str:
-        layers = "" if self.recompute_layers is None else f" + {self.recompute_layers} full layer(s) per stage"
+        kind = "offloaded" if self.recompute == "offload" else "full"
+        layers = "" if self.recompute_layers is None else f" + {self.recompute_layers} {kind} layer(s) per stage"
         layers += ", the held prompt's activations on the host" if self.prompt_on_host else ""
         micro_batch = (f"micro-batch {self.tokens:,} {self.layout} tokens" if self.micro_batch_tokens == self.tokens else
                        f"micro-batches planned with {self.tokens:,} packed tokens, the largest {self.micro_batch_tokens:,} "
@@ -771,14 +808,15 @@ class Fit:
 
 
 def setting_label(recompute: str, recompute_layers: Optional[int], prompt_on_host: bool = False) -> str:
-    """A setting as the tables print it: "selective+31" (31 layers also recomputed whole), with
-    ", prompt on host" where prefix reuse's prompt keeps its activations there."""
+    """A setting as the tables print it: "selective+31" (31 layers also recomputed whole), "offload+8"
+    (8 layers offloaded, selective in all), with ", prompt on host" where prefix reuse's prompt keeps its
+    activations there."""
     return (recompute + (f"+{recompute_layers}" if recompute_layers else "")
             + (", prompt on host" if prompt_on_host else ""))
 
 
 def host_budget(share: float = HOST_SHARE) -> float:
-    """Pinned host memory one rank may take for prefix reuse's prompt activations: ``share`` of the
+    """Pinned host memory one rank may take for activations (prefix reuse's prompt, offloaded layers): ``share`` of the
     machine's memory over the ranks on it (torchrun's ``LOCAL_WORLD_SIZE``)."""
     import psutil
 

@@ -115,6 +115,12 @@ PARALLEL_RUNS = {
                                          dict(recompute="selective", recompute_layers=1)),
     "gemma3_cp2_selective": ParallelRun("gemma3-tiny", 2, dict(cp=2), recompute=dict(recompute="selective")),
     "moe_ep2_selective": ParallelRun("qwen3-moe-tiny", 2, dict(ep=2), recompute=dict(recompute="selective")),
+    # offloaded layers: under the interleaved schedule each micro-batch's chunks start their own chain
+    # of copies back; under TP with SP the linears' sequence-parallel inputs go to the host
+    "dense_pp2_vpp2_offload_1": ParallelRun("qwen3-tiny", 2, dict(pp=2, vpp=2), dict(num_layers=4), dict(
+        recompute="offload", recompute_layers=1, offload_min_bytes=0)),
+    "hybrid_tp2_sp_offload_1": ParallelRun("qwen3_5-tiny", 2, dict(tp=2, sp=True), recompute=dict(
+        recompute="offload", recompute_layers=1, offload_min_bytes=0)),
     "dense_tp2_cp2": ParallelRun("qwen3-tiny", 4, dict(tp=2, cp=2)),
     "hybrid_tp2_sp_cp2": ParallelRun("qwen3_5-tiny", 4, dict(tp=2, sp=True, cp=2),
                                      dict(linear_num_key_heads=4, linear_num_value_heads=8)),

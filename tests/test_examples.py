@@ -349,6 +349,7 @@ def script():
         (["--tp", "2"], r"^error: --tp 2: a model replica spans 2 processes, and this run has 1; launch a multiple of 2, "
                         r"e.g. torchrun --nproc-per-node 2 "),
         (["--tp", "0"], "--tp must be >= 1"),
+        (["--offload"], "--offload lets --recompute auto choose offloaded layers; set them yourself with --recompute offload"),
         (["--model", "qwen3-huge"], r"--model qwen3-huge: not a card name \(.*qwen3-tiny.*\), card file or checkpoint folder"),
         (["--tokenizer", ""], r"--tokenizer: an empty path; pass a SentencePiece .model"),
         (["--loss", "ppo"], r"^error: argument --loss: invalid choice: 'ppo'"),
@@ -509,6 +510,29 @@ def test_replicated_auto_takes_the_benchmarks_setting_in_packed_tokens(script, b
         script.fit_within(args, [group], budget)
 
 
+def test_offload_lets_recompute_auto_offload_layers_before_it_recomputes_them(script, bench, monkeypatch):
+    """Qwen3.5-4B's 16 x 8192 x 1024 group within an H200 less 8%, with 64 GiB of pinned host memory:
+    --offload takes the fewest offloaded layers that fit, as the benchmark's --offload ranks first;
+    without it, layers recomputed whole."""
+    import megatron_dualkv.memory as memory_module
+
+    monkeypatch.setattr(memory_module, "host_budget", lambda share=0.5: 64 * GIB)
+    n, p, r = 16, 8192, 1024
+    group, budget = bench.rollout_group(n, p, r, 248_320, seed=n), 0.92 * 140.4 * GIB
+    settings = {}
+    for offload in (True, False):
+        flags = ["--offload"] if offload else []
+        args = script.parse_args(["--model", "qwen3_5-4b", "--recompute", "auto", "--max-tokens", "auto",
+                                  "--global-batch-size", "1", *flags])
+        fit = script.fit_within(args, [group], budget)
+        settings[offload] = (args.recompute, args.recompute_layers, fit.estimate.host > 0)
+    memory = dataclasses.replace(MemoryModel.for_card("qwen3_5-4b"), offload=True)
+    best = bench.candidate_settings(memory, CostModel.from_config(memory.config, memory.vocab_size), budget, (n, p, r),
+                                    "packed")[0]
+    assert settings[True] == ("offload", best.recompute_layers, True) and best.recompute == "offload"
+    assert settings[False][0] == "selective" and settings[False][1] > settings[True][1] and not settings[False][2]
+
+
 @pytest.mark.parametrize("rollouts", ["groups", "episodes"])
 def test_replicated_sizes_are_those_the_model_runs(script, policy_args, rollouts):
     """What the memory model is asked about for --layout replicated (``replicated_micro_batch``): the
@@ -566,7 +590,8 @@ def test_bench_ranks_settings_by_the_flops_the_step_counts(bench, script, layout
     the rows that predict a trained token (an independent count: the step's, from its packed batch);
     prefix reuse's parts count the prompt once, as the whole group does."""
     memory, cost, _ = bench.planning_models("qwen3-tiny", SimpleNamespace(dtype="float32", device="cpu", memory_margin=0.08,
-                                                                   transformer_engine="off", fp8="off", budget_gib=None))
+                                                                   transformer_engine="off", fp8="off", budget_gib=None,
+                                                                   offload=False))
     n, p, r = 4, 96, 24
     k = n // parts
     (setting,) = [s for s in bench.candidate_settings(memory, cost, 1e12, (n, p, r), layout) if s.responses == k]

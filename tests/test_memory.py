@@ -4,6 +4,7 @@ recompute and micro-batch. What a layer keeps is measured on the GPU (tests/test
 the CPU's attention and norms keep other tensors), and the peaks of whole steps by
 tools/bench_policy_update.py --full-depth (docs/performance.md)."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,10 +100,18 @@ def test_pipeline_stages_hold_every_layer_once(num_layers, pp, vpp):
 
 def test_recompute_modes_order_the_memory():
     memory = MemoryModel.for_card("qwen3-4b")
-    peaks = [memory.predict(24576, 16384, mode, layers).total for mode, layers in memory.recompute_ladder()]
-    assert peaks == sorted(peaks, reverse=True)
+
+    def peaks(ladder):
+        return [memory.predict(24576, 16384, mode, layers).total for mode, layers in ladder]
+
+    assert peaks(memory.recompute_ladder(offload=False)) == sorted(peaks(memory.recompute_ladder(offload=False)),
+                                                                   reverse=True)
+    offloaded = [setting for setting in memory.recompute_ladder() if setting[0] == "offload"]
+    assert [n for _, n in offloaded] == list(range(1, 36 // 3 + 1))
+    assert peaks([("selective", None)] + offloaded) == sorted(peaks([("selective", None)] + offloaded), reverse=True)
     assert layer_modes("selective", 2, [5, 6, 7]) == ["full", "full", "selective"]
     assert layer_modes("full", 1, [5, 6]) == ["full", "none"]
+    assert layer_modes("offload", 2, [5, 6, 7]) == ["host", "host", "selective"]
 
 
 def test_fit_picks_the_least_recompute_and_the_most_tokens():
@@ -119,6 +128,41 @@ def test_fit_picks_the_least_recompute_and_the_most_tokens():
     assert pinned.recompute == "full" and pinned.tokens > 10 * tokens
     with pytest.raises(ValueError, match=r"needs more than the memory budget of 50\.0 GiB"):
         memory.fit(50 * GIB, tokens)  # the weights and Adam alone take 67.5 GiB
+
+
+def test_offloaded_layers_move_their_selective_activations_to_the_host():
+    memory = MemoryModel.for_card("qwen3_5-4b")  # layers 1-3 of every 4 are GDN, the 4th attention
+    tokens, layers = 24576, memory.config.num_layers
+    selective, offloaded = (memory.predict(tokens, 16384, *setting) for setting in (("selective", None), ("offload", 8)))
+    per_layer = [layer_activation_bytes(memory.config, n, ParallelSizes(), "selective") * tokens
+                 for n in range(1, layers + 1)]
+    assert offloaded.host == pytest.approx(sum(per_layer[:8]))
+    assert offloaded.parts["activations"] == pytest.approx(selective.parts["activations"] - sum(per_layer[:8]))
+    assert offloaded.parts["transient"] == selective.parts["transient"] and selective.host == 0
+    assert [layer_activation_bytes(memory.config, n, ParallelSizes(), "host") for n in (1, 4)] == [0, 0]
+
+
+def test_fit_offloads_before_it_recomputes_layers_whole_where_the_host_has_room():
+    memory = MemoryModel.for_card("qwen3_5-4b")
+    tokens, budget = 24576, 128 * GIB
+    default = memory.fit(budget, tokens, 16384 / tokens, host_budget_bytes=64 * GIB)
+    memory = replace(memory, offload=True)
+    fit = memory.fit(budget, tokens, 16384 / tokens, host_budget_bytes=64 * GIB)
+    assert fit.recompute == "offload" and 1 <= fit.recompute_layers <= 32 // 3
+    assert memory.predict(tokens, 16384, "offload", fit.recompute_layers - 1).total > budget
+    assert (fit.layers_recomputed_whole(32, 1), "offloaded layer(s)" in fit.describe()) == (0, True)
+    small_host = memory.fit(budget, tokens, 16384 / tokens, host_budget_bytes=GIB)
+    assert small_host.recompute == "selective" and small_host.recompute_layers > fit.recompute_layers
+    assert small_host.layers_recomputed_whole(32, 2) == 2 * small_host.recompute_layers
+    assert (default.recompute, default.recompute_layers) == (small_host.recompute, small_host.recompute_layers)
+
+
+def test_prefix_reuse_does_not_offload():
+    memory = replace(MemoryModel.for_card("qwen3_5-4b"), offload=True)
+    fit = memory.fit(128 * GIB, 8192 + 8 * 1024, held_prompt_tokens=8192, host_budget_bytes=64 * GIB)
+    assert fit.recompute != "offload"
+    with pytest.raises(ValueError, match="prefix reuse does not run with offloaded layers"):
+        memory.predict(8192 + 8 * 1024, recompute="offload", recompute_layers=2, held_prompt_tokens=8192)
 
 
 def test_fit_searches_a_budget_whose_micro_batches_it_sizes_apart():

@@ -68,7 +68,7 @@ def test_selective_recompute_under_fp8_recomputes_only_q_and_k(mode, layers, exp
     (None, 1, "recompute_layers=1 .* needs recompute='selective' or 'full'"),
 ])
 def test_bad_recompute_settings(mode, layers, match):
-    assert set(RECOMPUTE_MODES) == {"none", "selective", "full"}
+    assert set(RECOMPUTE_MODES) == {"none", "selective", "offload", "full"}
     with pytest.raises(ValueError, match=match):
         recompute_config_kwargs(mode, layers)
 
@@ -281,6 +281,7 @@ def test_megatron_module_recompute_runs_without_transformer_engine(card, module)
     (dict(recompute="full", recompute_layers=3), r"recompute_layers \(recompute_num_layers\) = 3 is more than the 2"),
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=4), "= 4 is more than the 2"),
     (dict(recompute="none", recompute_layers=1), "needs recompute='selective' or 'full'"),
+    (dict(recompute="offload", recompute_layers=3), r"recompute_layers \(offload_layers\) = 3 is more than the 2"),
     (dict(recompute="selective", recompute_granularity="full"), "do not also pass recompute_granularity"),
     (dict(recompute="full", recompute_norms=True), "do not also pass recompute_norms"),
     (dict(recompute="selective", normalization="LayerNorm"), "recompute_norms: layer 1's input_layernorm is a Layer"),

@@ -150,6 +150,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one step of each model at the first workload, in the first of --layouts "
                              "(packed, reuse or replicated; kernel time table)")
+    parser.add_argument("--offload", action="store_true",
+                        help="also try offloaded layers (recompute offload: saved tensors in pinned host memory) "
+                             "before recomputing layers whole")
     parser.add_argument("--memory-margin", type=float, default=None,
                         help="--full-depth: the share of GPU memory the settings leave free (as the launch script's flag)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
@@ -460,7 +463,7 @@ def candidate_settings(memory: MemoryModel, cost: CostModel, budget: float, work
         if fit is None:
             k //= 2
             continue
-        recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
+        recomputed = fit.layers_recomputed_whole(layers, memory.sizes.pp)
         prediction = memory.peak(tokens, k * r, fit.recompute, fit.recompute_layers, **shape,
                                  prompt_on_host=fit.prompt_on_host)
         settings.append(Setting(
@@ -503,6 +506,7 @@ def planning_models(card: str, args):
     memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype],
                                   transformer_engine=layer_spec(args, card)[0],
                                   fp8=args.fp8 != "off")
+    memory = replace(memory, offload=args.offload)
     if args.budget_gib is not None:
         budget = args.budget_gib * GIB
     else:
@@ -633,7 +637,7 @@ def agent_settings(memory: MemoryModel, cost: CostModel, budget: float, trajecto
         except ValueError:
             max_tokens //= 2
             continue
-        recomputed = layers if fit.recompute == "full" else (fit.recompute_layers or 0) * memory.sizes.pp
+        recomputed = fit.layers_recomputed_whole(layers, memory.sizes.pp)
         prediction = memory.peak(tokens, rows, fit.recompute, fit.recompute_layers, len(mbs), layout=layout)
         settings.append((max_tokens, tokens, Setting(
             max(len(mb.trajectories) for mb in mbs), fit.recompute, fit.recompute_layers or 0, prediction.total_gib,

@@ -36,6 +36,16 @@ class DualKVTransformerConfig(TransformerConfig):
     token and layer, ffn_hidden_size values fewer kept (per token routed to an expert,
     moe_ffn_hidden_size, plus the unfused SwiGLU's intermediates)."""
 
+    offload_layers: int = 0
+    """The saved tensors of the first N layers of every pipeline stage (model chunk) wait in page-locked
+    host memory from each layer's forward to its backward, copied out and back on side streams beside
+    the kernels (``mcore.offload``); selective recompute still runs inside them. Set through
+    ``build_model(recompute="offload", recompute_layers=N)``."""
+
+    offload_min_bytes: int = 1 << 20
+    """Offloaded layers leave storages smaller than this on the device (index tables, norms' statistics:
+    not worth a copy); Megatron's ``min_offloaded_tensor_size``."""
+
     prefix_reuse_prompt_on_host: bool = False
     """Prefix reuse (``rl.prefix_reuse``): what the held prompt's forward saves for its backward waits
     in page-locked host memory while the response parts run (``rl.host_stash``: pieces at their own

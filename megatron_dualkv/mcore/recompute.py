@@ -13,6 +13,10 @@ fields, the one definition the builder, launch scripts, benchmarks and the memor
   1-byte copies of them whatever the recompute, so recomputing them would free nothing. With
   ``recompute_layers=N``, Megatron also recomputes the first N layers of every pipeline stage
   (model chunk) whole, and the selective part is off inside those layers.
+* ``"offload"``: "selective" in every layer, and with ``recompute_layers=N`` the first N layers of
+  every stage (model chunk) keep what they save in page-locked host memory instead of on the GPU
+  (``mcore.offload``: copied out and back beside the kernels). Instead of recomputing N layers
+  whole, where the copies hide behind compute (the memory model offers at most a third of a stage).
 * ``"full"``: Megatron's full recompute: every layer keeps only its input (``recompute_layers=N``:
   only the first N layers of every stage or chunk do, the others keep everything).
 
@@ -48,7 +52,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "offload", "full")
 
 # Megatron-Core's selective modules that checkpoint without output through Transformer Engine
 TE_ONLY_RECOMPUTE_MODULES = ("layernorm", "moe_act")
@@ -67,7 +71,10 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, f
     whole (None: "full" recomputes every layer, "selective" none whole); fp8: the linears run in
     FP8 (``FP8_SELECTIVE_RECOMPUTE_FIELDS``).
 
-    The ladder the memory model climbs: none -> selective -> selective with N = 1 .. L -> full.
+    "offload" with N: "selective", and the first N layers of every stage offloaded (N required).
+
+    The ladder the memory model climbs: none -> selective -> offload with N = 1 .. L/3 -> selective
+    with N = 1 .. L -> full.
     ValueError naming ``recompute`` / ``recompute_layers`` for an unknown mode or a bad N (the
     upper bound, the layers of a stage, is the builder's check: it knows the split).
     """
@@ -81,7 +88,11 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, f
             raise ValueError(
                 f"recompute_layers={layers} recomputes layers whole; it needs recompute='selective' or 'full'"
             )
+    elif mode == "offload":
+        raise ValueError("recompute='offload' needs recompute_layers=N: the layers of each stage to offload")
     kwargs: Dict[str, Any] = {}
+    if mode == "offload":
+        return {**recompute_config_kwargs("selective", fp8=fp8), "offload_layers": layers}
     if mode == "selective":
         # Megatron's own selective modules stay off: "layernorm" and "moe_act" need TE, and
         # "core_attn" would recompute a fused attention kernel for nothing.
@@ -245,7 +256,8 @@ class DualKVTransformerLayer(TransformerLayer):
 
     def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args, **kwargs):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        if fully_recomputed(config, layer_number):  # Megatron's block numbers a chunk's layers from 1
+        self.position = layer_number  # Megatron's block numbers a chunk's layers from 1
+        if fully_recomputed(config, layer_number):
             return
         if getattr(config, "recompute_norms", False):
             self._recompute_norm_outputs()
@@ -253,6 +265,20 @@ class DualKVTransformerLayer(TransformerLayer):
             self._recompute_query_key()
         if getattr(config, "recompute_activations", False):
             self._recompute_activation()
+
+    def forward(self, *args, **kwargs):
+        offloaded = getattr(self.config, "offload_layers", 0)
+        if not (offloaded and self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        # imported here: ``mcore.offload`` takes ``rl.host_stash``, and ``rl`` imports the models
+        from .offload import layer_offload, prefetch_distance
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        with layer_offload().layer(self.position, self.position <= offloaded, device, prefetch_distance(offloaded),
+                                   self.config.offload_min_bytes) as mark_output:
+            output = super().forward(*args, **kwargs)
+        mark_output(output[0] if isinstance(output, tuple) else output)
+        return output
 
     def _recompute_norm_outputs(self) -> None:
         for name, consumer in (("input_layernorm", self.self_attention), ("pre_mlp_layernorm", self.mlp)):

@@ -141,6 +141,10 @@ def build_model(
     overrides.update(fp8_config_kwargs(fp8, use_transformer_engine, dtype))
     _refuse_te_only_recompute(overrides)
     refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
+    if use_transformer_engine and overrides.get("offload_layers"):
+        raise ValueError("recompute='offload' has not been run with the Transformer Engine layer spec yet (its FP8 "
+                         "and fused modules save tensors of their own); build the local spec "
+                         "(use_transformer_engine=False, --transformer-engine off) or recompute instead")
     config = build_transformer_config(card, family, sizes, dtype, use_transformer_engine, overrides)
     if hasattr(config, "check_parallel_sizes"):  # a family's own limits (the hybrid models' GDN layers)
         config.check_parallel_sizes(sizes)
@@ -329,14 +333,17 @@ def refuse_recompute_modules_the_spec_lacks(overrides: Dict[str, Any], use_trans
 
 def _check_recompute(config: TransformerConfig) -> None:
     """ValueError naming the field for a recompute setting these layers cannot run."""
+    # Megatron counts recompute_num_layers within each pipeline stage / model chunk, as we do offload_layers
+    vpp = config.virtual_pipeline_model_parallel_size
+    most = max(
+        get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        for pp_rank in range(config.pipeline_model_parallel_size)
+        for vp_stage in (range(vpp) if vpp else [None])
+    )
+    if getattr(config, "offload_layers", 0) > most:
+        raise ValueError(f"recompute_layers (offload_layers) = {config.offload_layers} is more than the {most} layers "
+                         f"of a pipeline {'model chunk' if vpp else 'stage'}")
     if config.recompute_granularity == "full":
-        # Megatron counts recompute_num_layers within each pipeline stage / model chunk
-        vpp = config.virtual_pipeline_model_parallel_size
-        most = max(
-            get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-            for pp_rank in range(config.pipeline_model_parallel_size)
-            for vp_stage in (range(vpp) if vpp else [None])
-        )
         if config.recompute_num_layers > most:
             raise ValueError(
                 f"recompute_layers (recompute_num_layers) = {config.recompute_num_layers} is more than the {most} "

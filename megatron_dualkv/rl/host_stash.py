@@ -71,20 +71,24 @@ class HostStash:
         self.taken_bytes += nbytes
         return self.slabs[index][start : start + nbytes]
 
+    def start_over(self) -> None:
+        """Hand out pieces from the first slab again: what was taken before must be no longer read."""
+        self.used, self.taken_bytes = [0] * len(self.slabs), 0
+        self._copies.clear()
+
     @contextmanager
     def hooks(self):
         """Hooks that keep every saved tensor but the parameters in this stash until the backward
         unpacks it; they start over at the first slab, so the previous user's backward must be done.
         Selective recompute keeps its outputs inside (``outputs_kept``): what their consumers save
         is the copy here."""
-        self.used, self.taken_bytes = [0] * len(self.slabs), 0
-        self._copies.clear()
+        self.start_over()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack), outputs_kept():
             yield
 
     def _pack(self, tensor: torch.Tensor):
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
-            return tensor  # alive anyway: a copy would only cost transfers
+        if is_parameter(tensor):
+            return tensor
         nbytes = tensor.numel() * tensor.element_size()
         key = None
         if tensor.is_contiguous():
@@ -115,6 +119,12 @@ class HostStash:
         slab = self.slabs.pop(index)
         if self.pin:
             _unpin([slab])
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (a weight saved transposed): alive anyway, a copy would only cost
+    transfers."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
 
 
 def _unpack(packed):

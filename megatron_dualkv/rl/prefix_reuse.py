@@ -486,6 +486,8 @@ def check_prefix_reuse_supported(model, layout: str) -> None:
          "the interleaved pipeline schedule (virtual pipeline parallelism)"),
         (getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False),
          "DDP's overlap_grad_reduce (its buckets would reduce before the prompt's backward)"),
+        (bool(getattr(getattr(model, "config", None), "offload_layers", 0)),
+         "offloaded layers (recompute='offload': the held prompt K/V are views of what the prompt's layers save)"),
     ]
     for bad, what in unsupported:
         if bad:
