@@ -671,9 +671,8 @@ class MemoryModel:
         if held_bytes is not None:
             parts["held prompt"] = held_bytes
         host = 0.0
-        if recompute == "offload":
-            host = (self.activation_bytes_per_token("selective", None, pp_rank, layout)
-                    - self.activation_bytes_per_token(recompute, recompute_layers, pp_rank, layout)) * tokens * in_flight
+        if recompute == "offload":  # what the offloaded layers would keep under selective
+            host = (self.activation_bytes_per_token("selective", None, pp_rank, layout) - per_token) * tokens * in_flight
         return MemoryEstimate(parts, host)
 
     def peak(self, *args, **kwargs) -> MemoryEstimate:

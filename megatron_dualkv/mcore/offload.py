@@ -87,7 +87,7 @@ class OffloadedLayer:
     @property
     def done(self) -> bool:
         """Its backward has read back every storage it copied out (or it copied none)."""
-        return all(record.unpacks == 0 for record in self.copied) and (self.fetched or not self.copied)
+        return all(record.unpacks <= 0 for record in self.copied) and (self.fetched or not self.copied)
 
     def pack(self, tensor: Tensor):
         streams = self.offload.streams
@@ -130,23 +130,25 @@ class OffloadedLayer:
             self.copied_out = streams.out.record_event()
 
     def fetch(self) -> None:
-        """Copy this layer's storages back, once: on CUDA asynchronously, after the copies out and after
-        what the compute stream has queued (whose freed memory the new storages may take)."""
+        """Copy back this layer's storages that are not on the device, once: on CUDA asynchronously,
+        after the copies out and after what the compute stream has queued (whose freed memory the new
+        storages may take)."""
         if self.fetched:
             return
         self.fetched = True
+        missing = [record for record in self.copied if record.restored is None]
         streams = self.offload.streams
         if streams is None:
-            for record in self.copied:
+            for record in missing:
                 record.restored = record.host.clone()
             return
-        for record in self.copied:
+        for record in missing:
             record.restored = torch.empty(record.host.numel(), dtype=torch.uint8, device=streams.device)
         queued = torch.cuda.current_stream().record_event()
         with torch.cuda.stream(streams.back):
             streams.back.wait_event(queued)
             streams.back.wait_event(self.copied_out)
-            for record in self.copied:
+            for record in missing:
                 record.restored.copy_(record.host, non_blocking=True)
             self.copied_in = streams.back.record_event()
 
@@ -156,13 +158,12 @@ class OffloadedLayer:
             return saved.tensor
         if record.restored is None:  # a second backward through a retained graph: from the host again
             self.fetched = False
-            record.unpacks = max(record.unpacks, 1)
         self.fetch()
         if self.copied_in is not None:
             torch.cuda.current_stream().wait_event(self.copied_in)
         restored = record.restored
         record.unpacks -= 1
-        if record.unpacks == 0:
+        if record.unpacks <= 0:
             record.restored = None  # autograd holds the view while its node runs
         view = torch.empty(0, dtype=saved.dtype, device=restored.device)
         return view.set_(restored.untyped_storage(), saved.offset, saved.size, saved.stride)

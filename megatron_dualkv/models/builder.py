@@ -340,22 +340,20 @@ def _check_recompute(config: TransformerConfig) -> None:
         for pp_rank in range(config.pipeline_model_parallel_size)
         for vp_stage in (range(vpp) if vpp else [None])
     )
-    if getattr(config, "offload_layers", 0) > most:
-        raise ValueError(f"recompute_layers (offload_layers) = {config.offload_layers} is more than the {most} layers "
-                         f"of a pipeline {'model chunk' if vpp else 'stage'}")
-    if config.recompute_granularity == "full":
-        if config.recompute_num_layers > most:
-            raise ValueError(
-                f"recompute_layers (recompute_num_layers) = {config.recompute_num_layers} is more than the {most} "
-                f"layers of a pipeline {'model chunk' if vpp else 'stage'}"
-            )
-        if config.recompute_method == "block" and _counts_routed_tokens(config) and not _BLOCK_RECOMPUTE_PASSES_PADDING:
-            raise ValueError(
-                "recompute_layers with MoE load balancing (moe_aux_loss_coeff, moe_z_loss_coeff or "
-                "moe_router_enable_expert_bias) on megatron-core < 0.17: its block recompute runs the layers it does "
-                "not recompute without the padding mask, so their routing statistics would count the packing's "
-                "padding tokens; set those off, recompute every layer, or use megatron-core 0.17+"
-            )
+    counts = {"offload_layers": getattr(config, "offload_layers", 0),
+              "recompute_num_layers": config.recompute_num_layers if config.recompute_granularity == "full" else 0}
+    for field_name, count in counts.items():
+        if count > most:
+            raise ValueError(f"recompute_layers ({field_name}) = {count} is more than the {most} layers of a pipeline "
+                             f"{'model chunk' if vpp else 'stage'}")
+    block = config.recompute_granularity == "full" and config.recompute_method == "block"
+    if block and _counts_routed_tokens(config) and not _BLOCK_RECOMPUTE_PASSES_PADDING:
+        raise ValueError(
+            "recompute_layers with MoE load balancing (moe_aux_loss_coeff, moe_z_loss_coeff or "
+            "moe_router_enable_expert_bias) on megatron-core < 0.17: its block recompute runs the layers it does "
+            "not recompute without the padding mask, so their routing statistics would count the packing's "
+            "padding tokens; set those off, recompute every layer, or use megatron-core 0.17+"
+        )
 
 
 def _counts_routed_tokens(config: TransformerConfig) -> bool:
