@@ -103,9 +103,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     group.add_argument("--recompute-layers", type=int, default=None,
                        help="also recompute the first N layers of every pipeline stage whole (with offload: offload "
                             "them)")
-    group.add_argument("--offload", action="store_true",
-                       help="let --recompute auto offload layers (their saved tensors in pinned host memory, up to a "
-                            "third of each stage) before it recomputes layers whole")
+    group.add_argument("--no-offload", dest="offload", action="store_false",
+                       help="keep --recompute auto from offloading layers (their saved tensors in pinned host memory, "
+                            "up to a third of each stage), which it otherwise tries before it recomputes layers whole")
     group.add_argument("--memory-margin", type=float, default=None,
                        help="share of the GPU's memory that --recompute auto and --max-tokens auto leave free "
                             "(default: the memory model's DEFAULT_MARGIN)")
@@ -185,8 +185,10 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
         yield f"--fp8 {args.fp8} trains bf16 parameters with FP8 matmuls: pass --dtype bfloat16"
     if args.recompute == AUTO and args.recompute_layers is not None:
         yield "--recompute-layers is --recompute auto's to choose: pass one or the other"
-    if args.offload and args.recompute != AUTO:
-        yield "--offload lets --recompute auto choose offloaded layers; set them yourself with --recompute offload"
+    if not args.offload and args.recompute != AUTO:
+        offloads = "its --recompute-layers" if args.recompute == "offload" else "none"
+        yield f"--no-offload is for --recompute auto, which may otherwise offload layers (--recompute {args.recompute} " \
+              f"offloads {offloads})"
     if margin_problem := memory_margin_problem(args.memory_margin):
         yield margin_problem
     if args.global_batch_size % args.mini_batches:

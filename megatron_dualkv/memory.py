@@ -434,7 +434,9 @@ class MemoryModel:
     vocab_size: the (padded) vocabulary of the embedding and output layer; tied: shared embedding and
     output weights. dp: data-parallel size (for the distributed optimizer's shards). ref_model: a
     frozen bf16 reference policy of the same layout is resident. offload: ``fit`` may also offload
-    layers (not beside prefix reuse's held prompt, nor in the Transformer Engine spec).
+    layers before it recomputes any whole (not beside prefix reuse's held prompt, nor in the
+    Transformer Engine spec); on an H200 the copies hide where whole-layer recompute costs its forward
+    again (docs/memory.md).
     """
 
     config: object
@@ -446,7 +448,7 @@ class MemoryModel:
     ref_model: bool = False
     transformer_engine: bool = False
     fp8: bool = False
-    offload: bool = False  # ``fit``'s ladder also offers offloaded layers (``recompute="offload"``)
+    offload: bool = True  # ``fit``'s ladder also offers offloaded layers (``recompute="offload"``)
 
     @classmethod
     def for_card(cls, card, sizes: ParallelSizes = ParallelSizes(), dtype: torch.dtype = torch.bfloat16, dp: int = 1,

@@ -349,7 +349,8 @@ def script():
         (["--tp", "2"], r"^error: --tp 2: a model replica spans 2 processes, and this run has 1; launch a multiple of 2, "
                         r"e.g. torchrun --nproc-per-node 2 "),
         (["--tp", "0"], "--tp must be >= 1"),
-        (["--offload"], "--offload lets --recompute auto choose offloaded layers; set them yourself with --recompute offload"),
+        (["--no-offload"], r"--no-offload is for --recompute auto, which may otherwise offload layers \(--recompute none "
+                           r"offloads none\)"),
         (["--model", "qwen3-huge"], r"--model qwen3-huge: not a card name \(.*qwen3-tiny.*\), card file or checkpoint folder"),
         (["--tokenizer", ""], r"--tokenizer: an empty path; pass a SentencePiece .model"),
         (["--loss", "ppo"], r"^error: argument --loss: invalid choice: 'ppo'"),
@@ -510,10 +511,10 @@ def test_replicated_auto_takes_the_benchmarks_setting_in_packed_tokens(script, b
         script.fit_within(args, [group], budget)
 
 
-def test_offload_lets_recompute_auto_offload_layers_before_it_recomputes_them(script, bench, monkeypatch):
+def test_recompute_auto_offloads_layers_before_it_recomputes_them(script, bench, monkeypatch):
     """Qwen3.5-4B's 16 x 8192 x 1024 group within an H200 less 8%, with 64 GiB of pinned host memory:
-    --offload takes the fewest offloaded layers that fit, as the benchmark's --offload ranks first;
-    without it, layers recomputed whole."""
+    --recompute auto takes the fewest offloaded layers that fit, as the benchmark ranks first; with
+    --no-offload, layers recomputed whole."""
     import megatron_dualkv.memory as memory_module
 
     monkeypatch.setattr(memory_module, "host_budget", lambda share=0.5: 64 * GIB)
@@ -521,16 +522,25 @@ def test_offload_lets_recompute_auto_offload_layers_before_it_recomputes_them(sc
     group, budget = bench.rollout_group(n, p, r, 248_320, seed=n), 0.92 * 140.4 * GIB
     settings = {}
     for offload in (True, False):
-        flags = ["--offload"] if offload else []
+        flags = [] if offload else ["--no-offload"]
         args = script.parse_args(["--model", "qwen3_5-4b", "--recompute", "auto", "--max-tokens", "auto",
                                   "--global-batch-size", "1", *flags])
         fit = script.fit_within(args, [group], budget)
         settings[offload] = (args.recompute, args.recompute_layers, fit.estimate.host > 0)
-    memory = dataclasses.replace(MemoryModel.for_card("qwen3_5-4b"), offload=True)
+    memory = MemoryModel.for_card("qwen3_5-4b")
     best = bench.candidate_settings(memory, CostModel.from_config(memory.config, memory.vocab_size), budget, (n, p, r),
                                     "packed")[0]
     assert settings[True] == ("offload", best.recompute_layers, True) and best.recompute == "offload"
     assert settings[False][0] == "selective" and settings[False][1] > settings[True][1] and not settings[False][2]
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-offload"]])
+def test_bench_hands_its_offload_choice_to_each_models_process(bench, tmp_path, flags):
+    """With several models each runs in a process of its own, from ``model_flags``: it must plan as asked."""
+    args = bench.parse_args(["--device", "cpu", "--tiny", "--full-depth", *flags])
+    args.memory_margin = 0.08  # as main() resolves it before it hands on the flags
+    again = bench.parse_args(bench.model_flags(args, "qwen3-tiny", tmp_path))
+    assert again.offload is args.offload is (not flags)
 
 
 @pytest.mark.parametrize("rollouts", ["groups", "episodes"])

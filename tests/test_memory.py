@@ -145,8 +145,7 @@ def test_offloaded_layers_move_their_selective_activations_to_the_host():
 def test_fit_offloads_before_it_recomputes_layers_whole_where_the_host_has_room():
     memory = MemoryModel.for_card("qwen3_5-4b")
     tokens, budget = 24576, 128 * GIB
-    default = memory.fit(budget, tokens, 16384 / tokens, host_budget_bytes=64 * GIB)
-    memory = replace(memory, offload=True)
+    kept = replace(memory, offload=False).fit(budget, tokens, 16384 / tokens, host_budget_bytes=64 * GIB)
     fit = memory.fit(budget, tokens, 16384 / tokens, host_budget_bytes=64 * GIB)
     assert fit.recompute == "offload" and 1 <= fit.recompute_layers <= 32 // 3
     assert memory.predict(tokens, 16384, "offload", fit.recompute_layers - 1).total > budget
@@ -154,11 +153,11 @@ def test_fit_offloads_before_it_recomputes_layers_whole_where_the_host_has_room(
     small_host = memory.fit(budget, tokens, 16384 / tokens, host_budget_bytes=GIB)
     assert small_host.recompute == "selective" and small_host.recompute_layers > fit.recompute_layers
     assert small_host.layers_recomputed_whole(32, 2) == 2 * small_host.recompute_layers
-    assert (default.recompute, default.recompute_layers) == (small_host.recompute, small_host.recompute_layers)
+    assert (kept.recompute, kept.recompute_layers) == (small_host.recompute, small_host.recompute_layers)
 
 
 def test_prefix_reuse_does_not_offload():
-    memory = replace(MemoryModel.for_card("qwen3_5-4b"), offload=True)
+    memory = MemoryModel.for_card("qwen3_5-4b")
     fit = memory.fit(128 * GIB, 8192 + 8 * 1024, held_prompt_tokens=8192, host_budget_bytes=64 * GIB)
     assert fit.recompute != "offload"
     with pytest.raises(ValueError, match="prefix reuse does not run with offloaded layers"):
@@ -219,9 +218,13 @@ def test_the_planning_table_fits_every_layout(capsys):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     budget = 100 * GIB
-    row = tool.plan("qwen3-30b-a3b", "1x2x4x1", 8, (16, 8192, 1024), budget, 8)
+    row = tool.plan("qwen3-30b-a3b", "1x2x4x1", 8, (16, 8192, 1024), budget, 8, host_budget=64 * GIB)
     assert row["layout"] == "tp1 pp2 ep4 cp1 dp4" and row["tokens"] >= 8192 + 16 * 1024
     assert row["peak"] * GIB <= budget
+    # the host budget is the table's (--host-gib), not this machine's: offloaded layers where it has room
+    offloaded, kept = (tool.plan("qwen3-30b-a3b", "2x1x4x1", 8, (16, 8192, 1024), 0.92 * tool.H200_GIB * GIB, 8,
+                                 host_budget=host * GIB) for host in (64, 0))
+    assert offloaded["recompute"].startswith("offload+") and kept["recompute"].startswith("selective+")
     tool.main(["--card", "qwen3-4b", "--layouts", "1x1x1x1", "--gpus", "1"])
     assert "qwen3-4b" in capsys.readouterr().out
 

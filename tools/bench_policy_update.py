@@ -150,9 +150,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one step of each model at the first workload, in the first of --layouts "
                              "(packed, reuse or replicated; kernel time table)")
-    parser.add_argument("--offload", action="store_true",
-                        help="also try offloaded layers (recompute offload: saved tensors in pinned host memory) "
-                             "before recomputing layers whole")
+    parser.add_argument("--no-offload", dest="offload", action="store_false",
+                        help="--full-depth: leave offloaded layers (recompute offload: saved tensors in pinned host "
+                             "memory) out of the settings, which otherwise come before recomputing layers whole")
     parser.add_argument("--memory-margin", type=float, default=None,
                         help="--full-depth: the share of GPU memory the settings leave free (as the launch script's flag)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench")
@@ -767,6 +767,7 @@ def model_flags(args, name: str, out: Path) -> List[str]:
     flags += ["--budget-gib", str(args.budget_gib)] if args.budget_gib is not None else []
     flags += ["--replicated-repeats", str(args.replicated_repeats)] if args.replicated_repeats else []
     flags += ["--replicated-sample"] * args.replicated_sample
+    flags += ["--no-offload"] * (not args.offload)
     flags += ["--stack-dumps", str(args.stack_dumps)] if args.stack_dumps else []
     return flags + ["--tiny"] * args.tiny + ["--profile"] * args.profile + ["--full-depth"] * args.full_depth + [
         "--agent"] * args.agent + ["--verbose"] * args.verbose

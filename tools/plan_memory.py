@@ -33,7 +33,7 @@ from megatron_dualkv.mcore import plan_parallel  # noqa: E402
 from megatron_dualkv.memory import DEFAULT_MARGIN, GIB, MemoryModel, setting_label  # noqa: E402
 
 H200_GIB = 143771 / 1024  # what torch reports of an H200's memory
-HOST_GIB = 64  # host memory per GPU for pinned prompt activations: half of a machine with 128 GiB per GPU
+HOST_GIB = 64  # host memory per GPU for pinned activations (offloaded layers', a held prompt's): half of 128 GiB per GPU
 PLANS = {
     "qwen3-30b-a3b": ["1x1x8x1", "2x1x4x1", "1x2x4x1"],
     "gemma4-31b": ["8x1x1x1", "2x4x1x1", "1x8x1x1"],
@@ -58,12 +58,12 @@ def recompute_name(fit) -> str:
     return setting_label(fit.recompute, fit.recompute_layers, fit.prompt_on_host)
 
 
-def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches: int) -> dict:
+def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches: int, host_budget: float) -> dict:
     parallel, memory = layout_memory(card, layout, gpus)
     n, p, r = group
     tokens = p + n * r
     fit = memory.fit(budget, tokens, n * r / tokens, num_micro_batches=micro_batches,
-                     multiple=parallel.sizes.token_multiple)
+                     multiple=parallel.sizes.token_multiple, host_budget_bytes=host_budget)
     parts = fit.estimate.parts
     return dict(card=card, layout=layout_name(parallel), recompute=recompute_name(fit),
                 tokens=fit.tokens, groups=fit.tokens / tokens, peak=fit.estimate.total_gib,
@@ -72,10 +72,10 @@ def plan(card: str, layout: str, gpus: int, group, budget: float, micro_batches:
 
 
 def least_recompute(memory: MemoryModel, budget: float, group, k: int, micro_batches: int, held_prompt: bool,
-                    host_budget: float = 0.0):
+                    host_budget: float):
     """(the least recompute under which a micro-batch of the prompt and k responses fits, its peak in
-    GiB), with the prompt held beside it (prefix reuse) or not; None when none fits. A held prompt's
-    activations may wait in ``host_budget`` bytes of host memory where only that fits."""
+    GiB), with the prompt held beside it (prefix reuse) or not; None when none fits. Offloaded layers'
+    or a held prompt's activations may wait in ``host_budget`` bytes of host memory."""
     n, p, r = group
     tokens = p + k * r
     held = p if held_prompt else 0
@@ -90,7 +90,7 @@ def least_recompute(memory: MemoryModel, budget: float, group, k: int, micro_bat
 
 
 def best_split(memory: MemoryModel, budget: float, group, micro_batches: int, held_prompt: bool,
-               host_budget: float = 0.0) -> str:
+               host_budget: float) -> str:
     """The part size (k = N/2, N/4, ..., 1 responses) with the least recompute that fits (ties: the
     largest k), as "recompute, k resp, peak"; "does not fit" when no part does."""
     ladder = memory.recompute_ladder()
@@ -111,10 +111,10 @@ def plan_prefix_reuse(card: str, layout: str, gpus: int, group, budget: float, m
                       host_budget: float) -> dict:
     """``--prefix-reuse``'s row: the group in one micro-batch, in sub-groups, in prefix-reuse parts."""
     parallel, memory = layout_memory(card, layout, gpus)
-    whole = least_recompute(memory, budget, group, group[0], micro_batches, held_prompt=False)
+    whole = least_recompute(memory, budget, group, group[0], micro_batches, held_prompt=False, host_budget=host_budget)
     return dict(card=card, layout=layout_name(parallel),
                 whole="does not fit" if whole is None else f"{recompute_name(whole[0])}, {whole[1]:.1f} GiB",
-                sub_groups=best_split(memory, budget, group, micro_batches, held_prompt=False),
+                sub_groups=best_split(memory, budget, group, micro_batches, held_prompt=False, host_budget=host_budget),
                 reuse=best_split(memory, budget, group, micro_batches, held_prompt=True, host_budget=host_budget))
 
 
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-gib", type=float, default=H200_GIB)
     parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="share of the GPU's memory left free")
     parser.add_argument("--host-gib", type=float, default=HOST_GIB,
-                        help="--prefix-reuse: pinned host memory per GPU for a held prompt's activations")
+                        help="pinned host memory per GPU for activations (offloaded layers', a held prompt's)")
     parser.add_argument("--prefix-reuse", action="store_true",
                         help="instead: the group in one micro-batch, in sub-groups and in prefix-reuse parts (docstring)")
     parser.add_argument("--out", default=None)
@@ -153,7 +153,7 @@ def main(argv=None) -> None:
             ("sub_groups", "sub-groups (prompt each)", "32"), ("reuse", "prefix reuse (prompt held)", "48"),
         ])
         return
-    rows = [plan(card, layout, args.gpus, group, budget, args.micro_batches)
+    rows = [plan(card, layout, args.gpus, group, budget, args.micro_batches, args.host_gib * GIB)
             for card, layouts in plans.items() for layout in layouts]
     print(f"{args.gpus} GPUs of {args.gpu_gib:.1f} GiB, {100 * args.margin:.0f}% left free; a micro-batch holds one "
           f"{args.group} group at least, {args.micro_batches} micro-batches per step; bf16 weights, fp32 gradients "
