@@ -366,8 +366,7 @@ def fit_within(args: argparse.Namespace, groups: List[Rollout], budget: float) -
     memory = MemoryModel.for_card(card, sizes, param_dtype(card, DTYPES[args.dtype] if args.dtype else None),
                                   dp=dp, distributed_optimizer=args.use_distributed_optimizer,
                                   ref_model=args.ref_load is not None, transformer_engine=_transformer_engine(args),
-                                  fp8=args.fp8 != "off")
-    memory = dataclasses.replace(memory, offload=args.offload)
+                                  fp8=args.fp8 != "off", offload=args.offload)
     whole, longest, responses = packed_sizes(groups)
     replicated, multiple = args.layout == "replicated", micro_batch_token_multiple(sizes, args.fp8 != "off")
     if replicated:

@@ -453,10 +453,11 @@ class MemoryModel:
     @classmethod
     def for_card(cls, card, sizes: ParallelSizes = ParallelSizes(), dtype: torch.dtype = torch.bfloat16, dp: int = 1,
                  distributed_optimizer: bool = False, ref_model: bool = False, make_vocab_size_divisible_by: int = 128,
-                 transformer_engine: bool = False, fp8: bool = False, **overrides) -> "MemoryModel":
+                 transformer_engine: bool = False, fp8: bool = False, offload: bool = True,
+                 **overrides) -> "MemoryModel":
         """The model of a card (name, file or ``ModelCard``) as ``build_model`` would build it, without
         building it: ``overrides`` are ``build_model``'s config overrides (recompute is ``predict``'s);
-        transformer_engine, fp8: its layer spec (``layer_tensors``)."""
+        transformer_engine, fp8: its layer spec (``layer_tensors``); offload: as the field."""
         from .models.builder import build_transformer_config, family_of
         from .models.cards import load_card
 
@@ -466,7 +467,7 @@ class MemoryModel:
         kwargs = family.gpt_model_kwargs(card)
         vocab_size = padded_vocab_size(kwargs["vocab_size"], sizes.tp, make_vocab_size_divisible_by)
         return cls(config, vocab_size, bool(kwargs.get("share_embeddings_and_output_weights")), sizes, dp,
-                   distributed_optimizer, ref_model, transformer_engine, fp8)
+                   distributed_optimizer, ref_model, transformer_engine, fp8, offload)
 
     # ---------------------------------------------------------------- static
     def static_parts(self, pp_rank: int = 0) -> Dict[str, float]:

@@ -505,8 +505,7 @@ def planning_models(card: str, args):
     """(memory model, cost model, memory budget) of a full-depth card on this device."""
     memory = MemoryModel.for_card(card, dtype=policy_update.DTYPES[args.dtype],
                                   transformer_engine=layer_spec(args, card)[0],
-                                  fp8=args.fp8 != "off")
-    memory = replace(memory, offload=args.offload)
+                                  fp8=args.fp8 != "off", offload=args.offload)
     if args.budget_gib is not None:
         budget = args.budget_gib * GIB
     else:

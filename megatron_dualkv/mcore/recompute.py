@@ -90,9 +90,9 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, f
             )
     elif mode == "offload":
         raise ValueError("recompute='offload' needs recompute_layers=N: the layers of each stage to offload")
-    kwargs: Dict[str, Any] = {}
     if mode == "offload":
         return {**recompute_config_kwargs("selective", fp8=fp8), "offload_layers": layers}
+    kwargs: Dict[str, Any] = {}
     if mode == "selective":
         # Megatron's own selective modules stay off: "layernorm" and "moe_act" need TE, and
         # "core_attn" would recompute a fused attention kernel for nothing.
