@@ -183,6 +183,9 @@ def _flag_problems(args: argparse.Namespace) -> Iterable[str]:
         yield f"--fp8 {args.fp8} runs Transformer Engine's linears in FP8: pass --transformer-engine on (or auto)"
     if args.fp8 != "off" and args.dtype == "float32":
         yield f"--fp8 {args.fp8} trains bf16 parameters with FP8 matmuls: pass --dtype bfloat16"
+    if args.fp8 != "off" and args.recompute == "offload":
+        yield (f"--recompute offload does not run with --fp8 {args.fp8} (each micro-batch's FP8 copies of the weights "
+               "would go to the host and back): offload in bf16, or --recompute selective --recompute-layers N")
     if args.recompute == AUTO and args.recompute_layers is not None:
         yield "--recompute-layers is --recompute auto's to choose: pass one or the other"
     if not args.offload and args.recompute != AUTO:

@@ -434,9 +434,8 @@ class MemoryModel:
     vocab_size: the (padded) vocabulary of the embedding and output layer; tied: shared embedding and
     output weights. dp: data-parallel size (for the distributed optimizer's shards). ref_model: a
     frozen bf16 reference policy of the same layout is resident. offload: ``fit`` may also offload
-    layers before it recomputes any whole (not beside prefix reuse's held prompt, nor in the
-    Transformer Engine spec); on an H200 the copies hide where whole-layer recompute costs its forward
-    again (docs/memory.md).
+    layers before it recomputes any whole (not beside prefix reuse's held prompt, nor under FP8); on
+    an H200 the copies hide where whole-layer recompute costs its forward again (docs/memory.md).
     """
 
     config: object
@@ -711,7 +710,7 @@ class MemoryModel:
         (default ``host_budget()``). ValueError when even the last setting does not fit
         ``min_tokens``, naming the budget and that setting's peak.
         """
-        offload = self.offload and not self.transformer_engine and not held_prompt_tokens
+        offload = self.offload and not self.fp8 and not held_prompt_tokens
         ladder = (self.recompute_ladder(offload) if recompute is None
                   else [(recompute, recompute_layers)])
         micro_batch = micro_batch or (lambda n: (n, int(n * predicting_fraction)))

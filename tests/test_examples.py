@@ -349,6 +349,8 @@ def script():
         (["--tp", "2"], r"^error: --tp 2: a model replica spans 2 processes, and this run has 1; launch a multiple of 2, "
                         r"e.g. torchrun --nproc-per-node 2 "),
         (["--tp", "0"], "--tp must be >= 1"),
+        (["--fp8", "e4m3", "--recompute", "offload", "--recompute-layers", "1"],
+         r"--recompute offload does not run with --fp8 e4m3 \(each micro-batch's FP8 copies"),
         (["--no-offload"], r"--no-offload is for --recompute auto, which may otherwise offload layers \(--recompute none "
                            r"offloads none\)"),
         (["--model", "qwen3-huge"], r"--model qwen3-huge: not a card name \(.*qwen3-tiny.*\), card file or checkpoint folder"),

@@ -2,7 +2,6 @@
 for the backward, which equals the one that kept them (CPU: the host copies are plain copies; the
 streams and page-locked pieces run in ``tests/test_offload_gpu.py``)."""
 import weakref
-from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from megatron_dualkv.mcore import offload
 from megatron_dualkv.mcore.offload import LayerOffload, prefetch_distance
 from megatron_dualkv.mcore.recompute import checkpoint_without_output, recompute_config_kwargs
 from megatron_dualkv.memory import GIB, MemoryModel
-from megatron_dualkv.models import build_model, builder
+from megatron_dualkv.models import build_model
 from megatron_dualkv.rl.host_stash import HostStash
 from megatron_dualkv.rl.prefix_reuse import check_prefix_reuse_supported
 from test_recompute import _load_balanced, check_same_step
@@ -151,13 +150,18 @@ def test_offloaded_layers_give_the_step_without_recompute(everything_offloaded, 
     assert everything_offloaded.stash.taken_bytes > 0
 
 
-def test_prefix_reuse_and_the_transformer_engine_spec_refuse_offloaded_layers(monkeypatch):
+def test_prefix_reuse_and_fp8_refuse_offloaded_layers():
     model = build_model("qwen3-tiny", recompute="offload", recompute_layers=1)
     with pytest.raises(ValueError, match="prefix reuse .* does not support offloaded layers"):
         check_prefix_reuse_supported(model, "packed")
-    te = replace(MemoryModel.for_card("qwen3_5-4b", transformer_engine=True), offload=True)
+    with pytest.raises(ValueError, match="recompute='offload' does not run with fp8='e4m3'"):
+        build_model("qwen3-tiny", recompute="offload", recompute_layers=1, fp8="e4m3")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_memory_model_offloads_on_the_transformer_engine_spec_in_bf16_only(fp8):
+    """The TE spec keeps plain tensors in bf16, which offload as the local spec's do
+    (tests/test_transformer_engine_gpu.py runs it); under FP8 the ladder recomputes instead."""
+    te = MemoryModel.for_card("qwen3-4b", transformer_engine=True, fp8=fp8)
     fit = te.fit(128 * GIB, 24576, 16384 / 24576, host_budget_bytes=64 * GIB)
-    assert fit.recompute == "selective" and fit.recompute_layers
-    monkeypatch.setattr(builder, "uses_transformer_engine", lambda *args: True)
-    with pytest.raises(ValueError, match="recompute='offload' has not been run with the Transformer Engine layer spec"):
-        build_model("qwen3-tiny", recompute="offload", recompute_layers=1)
+    assert (fit.recompute == "offload") == (not fp8) and fit.recompute_layers

@@ -138,13 +138,13 @@ def build_model(
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
     overrides = _with_recompute(overrides, recompute, recompute_layers, fp8 is not None)
+    if fp8 is not None and overrides.get("offload_layers"):
+        raise ValueError(f"recompute='offload' does not run with fp8={fp8!r}: TE's linears would send each micro-batch's "
+                         "FP8 copies of their weights and inputs to the host and back; offload in bf16, or recompute "
+                         "(recompute='selective' with recompute_layers=N) instead")
     overrides.update(fp8_config_kwargs(fp8, use_transformer_engine, dtype))
     _refuse_te_only_recompute(overrides)
     refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
-    if use_transformer_engine and overrides.get("offload_layers"):
-        raise ValueError("recompute='offload' has not been run with the Transformer Engine layer spec yet (its FP8 "
-                         "and fused modules save tensors of their own); build the local spec "
-                         "(use_transformer_engine=False, --transformer-engine off) or recompute instead")
     config = build_transformer_config(card, family, sizes, dtype, use_transformer_engine, overrides)
     if hasattr(config, "check_parallel_sizes"):  # a family's own limits (the hybrid models' GDN layers)
         config.check_parallel_sizes(sizes)
