@@ -81,3 +81,16 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
         if item.path.name in WITHOUT_MEGATRON_MODULES:
             item.add_marker(pytest.mark.without_megatron)
+
+
+@pytest.fixture
+def fresh_offload(monkeypatch):
+    """A process offload of its own for one GPU test (``mcore.offload.layer_offload``), with page-locked
+    slabs; imported here, not at the top, so that modules without Megatron stay without it."""
+    from megatron_dualkv.mcore import offload
+    from megatron_dualkv.mcore.offload import LayerOffload
+    from megatron_dualkv.rl.host_stash import HostStash
+
+    fresh = LayerOffload(HostStash(pin=True, slab_bytes=1 << 26))
+    monkeypatch.setattr(offload, "layer_offload", lambda: fresh)
+    return fresh

@@ -4,7 +4,6 @@ them, and what they saved leaves the device by the end of the forward."""
 import pytest
 import torch
 
-from megatron_dualkv.mcore import offload
 from megatron_dualkv.mcore.offload import LayerOffload
 from megatron_dualkv.models import build_model
 from megatron_dualkv.rl import GRPOLoss, forward_backward
@@ -14,13 +13,6 @@ from rollouts import rl_micro_batches
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SHAPES = [[(5, [3, 1, 4]), (1, [2, 5]), (7, [6, 1])], [(3, [1]), (9, [2, 7, 3, 1]), (2, [4])]]
-
-
-@pytest.fixture
-def fresh_offload(monkeypatch):
-    fresh = LayerOffload(HostStash(pin=True, slab_bytes=1 << 26))
-    monkeypatch.setattr(offload, "layer_offload", lambda: fresh)
-    return fresh
 
 
 def _chain(offloader, x, offloaded, device):

@@ -20,12 +20,10 @@ import pytest
 import torch
 
 from megatron_dualkv import pack_groups
-from megatron_dualkv.mcore import offload, transformer_engine_available
-from megatron_dualkv.mcore.offload import LayerOffload
+from megatron_dualkv.mcore import transformer_engine_available
 from megatron_dualkv.models import build_model, export_hf_weights, load_model, save_model
 from megatron_dualkv.models.family import load_megatron_state_dict, local_spec_state_dict
 from megatron_dualkv.rl import GRPOLoss, RLMicroBatch, forward_backward, forward_logprobs
-from megatron_dualkv.rl.host_stash import HostStash
 from rollouts import make_groups, perturbed
 from saved_tensors import saved_tensors
 from test_examples import SCRIPT, TWO_GPU_RUNS, assert_two_gpus_take_the_steps, one_gpu_steps, run
@@ -137,20 +135,18 @@ def test_every_recompute_mode_runs_on_te_and_keeps_less(models, mode, layers):
     _assert_the_same_step_keeping_less(recomputed, te, _micro_batches(local))
 
 
-def test_offloaded_layers_on_te_give_the_selective_step(models, monkeypatch):
+def test_offloaded_layers_on_te_give_the_selective_step(models, fresh_offload):
     """``recompute="offload"`` on the TE spec in bf16: TE's linears save plain tensors (parameters
     aside), which go to the host with their layer and come back for its backward. Within the flash
     bound of the selective step against float32, not a tight match: two identical selective TE
     steps' gradients differ by up to 1.3% (gemma4-tiny's first norm)."""
     card, local, exact, te = models
-    fresh = LayerOffload(HostStash(pin=True, slab_bytes=1 << 26))
-    monkeypatch.setattr(offload, "layer_offload", lambda: fresh)
     selective = _built(card, te, dtype=torch.bfloat16, use_transformer_engine=True, recompute="selective")
     offloaded = _built(card, te, dtype=torch.bfloat16, use_transformer_engine=True, recompute="offload",
                        recompute_layers=1, offload_min_bytes=0)  # the tiny cards' tensors are small
     batches = _micro_batches(local)
     offloaded_step = _step(offloaded, batches)
-    assert fresh.stash.taken_bytes > 0
+    assert fresh_offload.stash.taken_bytes > 0
     _assert_within_twice_the_error_of(offloaded_step, _step(selective, batches), _step(exact, batches))
 
 
