@@ -377,8 +377,8 @@ def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode
     return _per_token_bytes(tensors, sizes, selectively_freed(mode, fp8))
 
 
-def _check_recompute(mode: str, layers: Optional[int], max_layers: int) -> None:
-    recompute_config_kwargs(mode, layers)  # the mode and N, as build_model checks them
+def _check_recompute(mode: str, layers: Optional[int], max_layers: int, fp8: bool) -> None:
+    recompute_config_kwargs(mode, layers, fp8)  # the mode and N, as build_model checks them
     if layers is not None and layers > max_layers:
         raise ValueError(f"recompute_layers={layers} is more than the {max_layers} layers of a pipeline stage")
 
@@ -644,7 +644,7 @@ class MemoryModel:
         would: its activations stay alive while the parts run), whose ``held_prompt_bytes`` add a
         part "held prompt"; ``prompt_on_host``: its activations wait on the host instead
         (``_prompt_on_host_peak``)."""
-        _check_recompute(recompute, recompute_layers, self._min_chunk_layers())
+        _check_recompute(recompute, recompute_layers, self._min_chunk_layers(), self.fp8)
         if held_prompt_tokens and recompute == "offload":
             raise ValueError("prefix reuse does not run with offloaded layers (recompute='offload'): its held "
                              "prompt K/V are views of what the prompt's layers save")

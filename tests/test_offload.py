@@ -154,8 +154,10 @@ def test_prefix_reuse_and_fp8_refuse_offloaded_layers():
     model = build_model("qwen3-tiny", recompute="offload", recompute_layers=1)
     with pytest.raises(ValueError, match="prefix reuse .* does not support offloaded layers"):
         check_prefix_reuse_supported(model, "packed")
-    with pytest.raises(ValueError, match="recompute='offload' does not run with fp8='e4m3'"):
+    with pytest.raises(ValueError, match="recompute='offload' does not run under FP8"):
         build_model("qwen3-tiny", recompute="offload", recompute_layers=1, fp8="e4m3")
+    with pytest.raises(ValueError, match="recompute='offload' does not run under FP8"):
+        build_model("qwen3-tiny", fp8="e4m3", **recompute_config_kwargs("selective"), offload_layers=1)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -165,3 +167,8 @@ def test_the_memory_model_offloads_on_the_transformer_engine_spec_in_bf16_only(f
     te = MemoryModel.for_card("qwen3-4b", transformer_engine=True, fp8=fp8)
     fit = te.fit(128 * GIB, 24576, 16384 / 24576, host_budget_bytes=64 * GIB)
     assert (fit.recompute == "offload") == (not fp8) and fit.recompute_layers
+    if fp8:  # asked for by name, the setting build_model refuses is refused here too
+        with pytest.raises(ValueError, match="recompute='offload' does not run under FP8"):
+            te.predict(24576, recompute="offload", recompute_layers=1)
+        with pytest.raises(ValueError, match="recompute='offload' does not run under FP8"):
+            te.fit(128 * GIB, 24576, recompute="offload", recompute_layers=1)

@@ -65,13 +65,23 @@ FP8_SELECTIVE_RECOMPUTE_FIELDS = ("recompute_qk_norm_rope",)
 Release = Callable[[Tensor], None]
 
 
+def refuse_offload_under_fp8(offload_layers: Optional[int], fp8: bool) -> None:
+    """ValueError for offloaded layers under FP8: TE's linears save each micro-batch's FP8 copies of
+    their weights (its weight cache is off) and inputs, which would go to the host and back."""
+    if offload_layers and fp8:
+        raise ValueError("recompute='offload' does not run under FP8: TE's linears would send each micro-batch's "
+                         "FP8 copies of their weights and inputs to the host and back; offload in bf16, or recompute "
+                         "(recompute='selective' with recompute_layers=N) instead")
+
+
 def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, fp8: bool = False) -> Dict[str, Any]:
     """The ``DualKVTransformerConfig`` fields of recompute ``mode`` ("none", "selective", "full";
     None is "none") with ``layers`` = N layers of every pipeline stage (model chunk) recomputed
     whole (None: "full" recomputes every layer, "selective" none whole); fp8: the linears run in
     FP8 (``FP8_SELECTIVE_RECOMPUTE_FIELDS``).
 
-    "offload" with N: "selective", and the first N layers of every stage offloaded (N required).
+    "offload" with N: "selective", and the first N layers of every stage offloaded (N required;
+    refused under FP8, ``refuse_offload_under_fp8``).
 
     The ladder the memory model climbs: none -> selective -> offload with N = 1 .. L/3 -> selective
     with N = 1 .. L -> full.
@@ -91,6 +101,7 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, f
     elif mode == "offload":
         raise ValueError("recompute='offload' needs recompute_layers=N: the layers of each stage to offload")
     if mode == "offload":
+        refuse_offload_under_fp8(layers, fp8)
         return {**recompute_config_kwargs("selective", fp8=fp8), "offload_layers": layers}
     kwargs: Dict[str, Any] = {}
     if mode == "selective":

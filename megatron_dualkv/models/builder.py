@@ -23,7 +23,12 @@ from ..mcore.parallel import (
     padded_vocab_size,
     pipeline_stage_fields,
 )
-from ..mcore.recompute import SELECTIVE_RECOMPUTE_FIELDS, TE_ONLY_RECOMPUTE_MODULES, recompute_config_kwargs
+from ..mcore.recompute import (
+    SELECTIVE_RECOMPUTE_FIELDS,
+    TE_ONLY_RECOMPUTE_MODULES,
+    recompute_config_kwargs,
+    refuse_offload_under_fp8,
+)
 from .cards import ModelCard, load_card
 from .family import ModelFamily
 from .gemma import GEMMA3, GEMMA4
@@ -138,10 +143,7 @@ def build_model(
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
     overrides = _with_recompute(overrides, recompute, recompute_layers, fp8 is not None)
-    if fp8 is not None and overrides.get("offload_layers"):
-        raise ValueError(f"recompute='offload' does not run with fp8={fp8!r}: TE's linears would send each micro-batch's "
-                         "FP8 copies of their weights and inputs to the host and back; offload in bf16, or recompute "
-                         "(recompute='selective' with recompute_layers=N) instead")
+    refuse_offload_under_fp8(overrides.get("offload_layers"), fp8 is not None)  # also when set as a field
     overrides.update(fp8_config_kwargs(fp8, use_transformer_engine, dtype))
     _refuse_te_only_recompute(overrides)
     refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
