@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .mcore.context_parallel import kv_head_replication
 from .mcore.parallel import ParallelSizes, padded_vocab_size
-from .mcore.recompute import recompute_config_kwargs
+from .mcore.recompute import recompute_config_kwargs, refuse_offload_under_fp8
 from .ops.linear_logprobs import CHUNK_ELEMENTS
 from .planner import moe_layer_flags
 
@@ -378,7 +378,8 @@ def layer_activation_bytes(config, layer_number: int, sizes: ParallelSizes, mode
 
 
 def _check_recompute(mode: str, layers: Optional[int], max_layers: int, fp8: bool) -> None:
-    recompute_config_kwargs(mode, layers, fp8)  # the mode and N, as build_model checks them
+    recompute_config_kwargs(mode, layers)  # the mode and N, as build_model checks them
+    refuse_offload_under_fp8(layers if mode == "offload" else None, fp8)
     if layers is not None and layers > max_layers:
         raise ValueError(f"recompute_layers={layers} is more than the {max_layers} layers of a pipeline stage")
 

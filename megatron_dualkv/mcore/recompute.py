@@ -80,8 +80,7 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, f
     whole (None: "full" recomputes every layer, "selective" none whole); fp8: the linears run in
     FP8 (``FP8_SELECTIVE_RECOMPUTE_FIELDS``).
 
-    "offload" with N: "selective", and the first N layers of every stage offloaded (N required;
-    refused under FP8, ``refuse_offload_under_fp8``).
+    "offload" with N: "selective", and the first N layers of every stage offloaded (N required).
 
     The ladder the memory model climbs: none -> selective -> offload with N = 1 .. L/3 -> selective
     with N = 1 .. L -> full.
@@ -101,7 +100,6 @@ def recompute_config_kwargs(mode: Optional[str], layers: Optional[int] = None, f
     elif mode == "offload":
         raise ValueError("recompute='offload' needs recompute_layers=N: the layers of each stage to offload")
     if mode == "offload":
-        refuse_offload_under_fp8(layers, fp8)
         return {**recompute_config_kwargs("selective", fp8=fp8), "offload_layers": layers}
     kwargs: Dict[str, Any] = {}
     if mode == "selective":

@@ -143,7 +143,7 @@ def build_model(
     enable_cpu_compat()
     use_foreach_multi_tensor_ops()
     overrides = _with_recompute(overrides, recompute, recompute_layers, fp8 is not None)
-    refuse_offload_under_fp8(overrides.get("offload_layers"), fp8 is not None)  # also when set as a field
+    refuse_offload_under_fp8(overrides.get("offload_layers"), fp8 is not None)  # from recompute= or the field
     overrides.update(fp8_config_kwargs(fp8, use_transformer_engine, dtype))
     _refuse_te_only_recompute(overrides)
     refuse_recompute_modules_the_spec_lacks(overrides, use_transformer_engine)
